@@ -1,0 +1,103 @@
+"""Every error mmstore raises, in one tree.
+
+::
+
+    MmstoreError
+    ├── InvalidRolloutError        (ValueError)      a row breaks an invariant; names sample + image
+    ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
+    ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
+    ├── WireFormatError            (ValueError)      a malformed wire-form image ref
+    ├── UnsupportedProcessorError  (TypeError)       no family adapter for this image processor
+    ├── ImageSizeError             (ValueError)      a size the family's layout cannot represent
+    ├── NotAStoreError             (FileNotFoundError) opened a directory that holds no manifest
+    ├── UntrustedURIError          (PermissionError) a URI outside the store and trusted roots
+    ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
+    │   └── DecompressionBombError                   more pixels than the configured limit
+    └── MediaError                                   media bytes cannot be served as requested
+        ├── MediaNotFoundError     (FileNotFoundError)
+        └── HashMismatchError      (ValueError)
+
+Each error carries the context it was raised in (file, run, sample, image index) both in
+its message and as attributes, so a caller can act on it without parsing text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MmstoreError(Exception):
+    """Base of every mmstore error. ``context`` holds where it happened."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        self.context = {k: v for k, v in context.items() if v is not None}
+        where = ", ".join(f"{k}={v!r}" for k, v in self.context.items())
+        super().__init__(f"{message} ({where})" if where else message)
+        self.message = message
+
+    def __getattr__(self, name: str) -> Any:
+        # Context keys read as attributes: err.sample_id, err.image_index, err.uri ...
+        context = self.__dict__.get("context", {})
+        if name in context:
+            return context[name]
+        raise AttributeError(name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross DataLoader worker boundaries by pickling; keep their context.
+        return (_rebuild, (type(self), self.message, self.context))
+
+
+def _rebuild(cls: type[MmstoreError], message: str, context: dict[str, Any]) -> MmstoreError:
+    return cls(message, **context)
+
+
+class InvalidRolloutError(MmstoreError, ValueError):
+    """A rollout row breaks an invariant and was not committed."""
+
+
+class LayoutMismatchError(MmstoreError, ValueError):
+    """The processor's token layout disagrees with what the store recorded."""
+
+
+class SchemaVersionError(MmstoreError, ValueError):
+    """A store manifest or Parquet file of a version this mmstore does not read."""
+
+
+class WireFormatError(MmstoreError, ValueError):
+    """A wire-form image ref that does not decode to a valid ImageRef."""
+
+
+class UnsupportedProcessorError(MmstoreError, TypeError):
+    """No family adapter knows this image processor."""
+
+
+class ImageSizeError(MmstoreError, ValueError):
+    """An image size the family's layout cannot represent (e.g. aspect ratio above 200)."""
+
+
+class NotAStoreError(MmstoreError, FileNotFoundError):
+    """The location exists (or not) but holds no mmstore manifest."""
+
+
+class UntrustedURIError(MmstoreError, PermissionError):
+    """A media URI that resolves outside the store and every trusted root."""
+
+
+class ImageDecodeError(MmstoreError, ValueError):
+    """Media bytes that Pillow cannot decode safely."""
+
+
+class DecompressionBombError(ImageDecodeError):
+    """An image whose pixel count exceeds the configured limit."""
+
+
+class MediaError(MmstoreError):
+    """Media bytes that cannot be served as requested."""
+
+
+class MediaNotFoundError(MediaError, FileNotFoundError):
+    """A referenced media file does not exist."""
+
+
+class HashMismatchError(MediaError, ValueError):
+    """Media bytes whose content hash differs from the one referenced."""

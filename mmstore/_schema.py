@@ -1,0 +1,118 @@
+"""The row schema, v1: one Arrow schema, mirrored in ``schemas/rollout.v1.json``.
+
+The Arrow schema here is the source of truth for writers and readers; the JSON file is the
+language-neutral description for other engines. ``describe()`` turns the Arrow schema into
+that neutral form, and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+
+from ._exceptions import SchemaVersionError
+
+SCHEMA_VERSION = 1
+
+# Parquet key-value metadata keys.
+META_SCHEMA_VERSION = b"mmstore.schema_version"
+META_RUN_ID = b"mmstore.run_id"
+META_STEP = b"mmstore.step"
+META_LAYOUTS = b"mmstore.layouts"
+
+IMAGE_REF_TYPE = pa.struct(
+    [
+        pa.field("uri", pa.string(), nullable=False),
+        pa.field("hash", pa.string(), nullable=False),
+        pa.field("width", pa.int32(), nullable=False),
+        pa.field("height", pa.int32(), nullable=False),
+        pa.field("nbytes", pa.int64(), nullable=True),
+        pa.field("offset", pa.int32(), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("family", pa.string(), nullable=False),
+        pa.field("layout_fingerprint", pa.string(), nullable=False),
+        pa.field("payload", pa.string(), nullable=True),
+    ]
+)
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=True),
+        pa.field("tokens", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),
+        pa.field(
+            "loss_mask", pa.list_(pa.field("item", pa.bool_(), nullable=False)), nullable=False
+        ),
+        pa.field(
+            "logprobs", pa.list_(pa.field("item", pa.float32(), nullable=False)), nullable=True
+        ),
+        pa.field("reward", pa.float32(), nullable=True),
+        pa.field("advantage", pa.float32(), nullable=True),
+        pa.field(
+            "images", pa.list_(pa.field("item", IMAGE_REF_TYPE, nullable=False)), nullable=False
+        ),
+        pa.field("metadata", pa.string(), nullable=True),
+    ],
+    metadata={META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()},
+)
+
+# Columns a reader may ask for; run_id and step come from the hive partition directories.
+PARTITION_FIELDS = (pa.field("run_id", pa.string()), pa.field("step", pa.int32()))
+
+
+def file_metadata(run_id: str, step: int, layouts: dict[str, Any]) -> dict[bytes, bytes]:
+    """Key-value metadata of one rollout Parquet file."""
+    return {
+        META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
+        META_RUN_ID: run_id.encode(),
+        META_STEP: str(step).encode(),
+        META_LAYOUTS: json.dumps(layouts, sort_keys=True).encode(),
+    }
+
+
+def check_schema_version(metadata: dict[bytes, bytes] | None, *, where: str) -> int:
+    """Return the schema version recorded in ``metadata``; refuse versions we cannot read."""
+    raw = (metadata or {}).get(META_SCHEMA_VERSION)
+    if raw is None:
+        raise SchemaVersionError("Parquet file carries no mmstore.schema_version", file=where)
+    try:
+        version = int(raw)
+    except ValueError:
+        raise SchemaVersionError(f"unreadable mmstore.schema_version {raw!r}", file=where) from None
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"rollout schema version {version} is not supported (this mmstore reads "
+            f"{SCHEMA_VERSION})",
+            file=where,
+        )
+    return version
+
+
+def _describe_type(t: pa.DataType) -> Any:
+    if pa.types.is_list(t):
+        item = t.value_field
+        return {"list": _describe_type(item.type), "item_nullable": item.nullable}
+    if pa.types.is_struct(t):
+        return {"struct": [_describe_field(t.field(i)) for i in range(t.num_fields)]}
+    return str(t)
+
+
+def _describe_field(f: pa.Field) -> dict[str, Any]:
+    return {"name": f.name, "type": _describe_type(f.type), "nullable": f.nullable}
+
+
+def describe(schema: pa.Schema = ROLLOUT_SCHEMA) -> dict[str, Any]:
+    """The language-neutral description stored in ``schemas/rollout.v1.json``."""
+    return {
+        "name": "mmstore.rollout",
+        "version": SCHEMA_VERSION,
+        "partitioning": {
+            "style": "hive",
+            "fields": [_describe_field(f) for f in PARTITION_FIELDS],
+        },
+        "key_value_metadata": [k.decode() for k in (META_SCHEMA_VERSION, META_RUN_ID, META_STEP)],
+        "fields": [_describe_field(f) for f in schema],
+    }

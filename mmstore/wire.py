@@ -1,0 +1,48 @@
+"""A compact wire form for one image ref inside a request: ``mmraw:`` + compact JSON.
+
+Plain JSON (not base64) keeps refs readable in request logs and costs ~25% fewer bytes;
+the prefix makes a wire ref recognisable among ordinary strings. Decoding is strict: any
+malformed input is a :class:`WireFormatError`, never another exception.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from ._exceptions import WireFormatError
+from ._models import ImageRef
+
+PREFIX = "mmraw:"
+# A ref is ~250 bytes; anything far larger is not a ref and is refused before parsing.
+MAX_WIRE_BYTES = 8192
+
+
+def encode(ref: ImageRef) -> str:
+    """``mmraw:{...}`` with the ref's fields, nulls omitted."""
+    return PREFIX + ref.model_dump_json(exclude_none=True)
+
+
+def decode(text: Any) -> ImageRef:
+    """Parse a wire ref; refuse anything that is not exactly one valid ImageRef."""
+    if not isinstance(text, str):
+        raise WireFormatError(f"a wire image ref is a str, got {type(text).__name__}")
+    if len(text) > MAX_WIRE_BYTES:
+        raise WireFormatError(f"wire image ref of {len(text)} chars exceeds {MAX_WIRE_BYTES}")
+    if not text.startswith(PREFIX):
+        raise WireFormatError(f"wire image ref must start with {PREFIX!r}", head=text[:16])
+    try:
+        fields = json.loads(text[len(PREFIX) :])
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise WireFormatError(f"wire image ref is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise WireFormatError("wire image ref must be a JSON object")
+    try:
+        return ImageRef.model_validate(fields, strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'ref'}: {e['msg']}" for e in exc.errors()
+        )
+        raise WireFormatError(f"invalid wire image ref: {problems}") from None
