@@ -1,6 +1,8 @@
 """mmstore: an Arrow/Parquet rollout store for RL on vision-language models."""
 
-from . import wire
+from typing import TYPE_CHECKING, Any
+
+from . import debug, wire
 from ._adapters import Layout, QwenVLAdapter, adapter_for
 from ._exceptions import (
     DecompressionBombError,
@@ -18,18 +20,41 @@ from ._exceptions import (
     UntrustedURIError,
     WireFormatError,
 )
+from ._export import export
 from ._invariants import check_rollout, truncate
+from ._lifecycle import GcReport, ReleaseReport, gc, release_run
 from ._models import ImageRef, MediaRef, Rollout
+from ._pins import list_pins, pin, pin_rows, unpin
 from ._schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from ._store import Store
+from ._verify import Problem, VerifyReport, verify
 from ._writer import RolloutWriter
 
+if TYPE_CHECKING:
+    from ._dataset import RolloutDataset, RolloutLoader
+
 __version__ = "0.1.0"
+
+# The loader needs torch (the `torch` extra); the rollout side and debugging do not, so
+# these names import it only when first used.
+_TORCH_NAMES = {"RolloutDataset": "._dataset", "RolloutLoader": "._dataset"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        import importlib
+
+        value = getattr(importlib.import_module(_TORCH_NAMES[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mmstore' has no attribute {name!r}")
+
 
 __all__ = [
     "ROLLOUT_SCHEMA",
     "SCHEMA_VERSION",
     "DecompressionBombError",
+    "GcReport",
     "HashMismatchError",
     "ImageDecodeError",
     "ImageRef",
@@ -42,16 +67,30 @@ __all__ = [
     "MediaRef",
     "MmstoreError",
     "NotAStoreError",
+    "Problem",
     "QwenVLAdapter",
+    "ReleaseReport",
     "Rollout",
+    "RolloutDataset",
+    "RolloutLoader",
     "RolloutWriter",
     "SchemaVersionError",
     "Store",
     "UnsupportedProcessorError",
     "UntrustedURIError",
+    "VerifyReport",
     "WireFormatError",
     "adapter_for",
     "check_rollout",
+    "debug",
+    "export",
+    "gc",
+    "list_pins",
+    "pin",
+    "pin_rows",
+    "release_run",
     "truncate",
+    "unpin",
+    "verify",
     "wire",
 ]

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from ._exceptions import (
     ImageSizeError,
@@ -36,12 +35,10 @@ if TYPE_CHECKING:
 QWEN_VL_FAMILY = "qwen-vl"
 # `<|image_pad|>` in the Qwen2-VL, Qwen2.5-VL and Qwen3-VL tokenizers.
 QWEN_VL_IMAGE_TOKEN_ID = 151655
-# Image processor classes (any backend) whose layout is the Qwen-VL one.
-_QWEN_VL_PROCESSORS = {
-    "Qwen2VLImageProcessor",
-    "Qwen2VLImageProcessorPil",
-    "Qwen2VLImageProcessorFast",
-}
+# Image processor classes whose layout is the Qwen-VL one: the torchvision and the PIL backend
+# (transformers 5 maps Qwen2.5-VL and Qwen3-VL checkpoints to these same classes).
+_QWEN_VL_MODULE = "transformers.models.qwen2_vl."
+_QWEN_VL_PROCESSORS = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ class Layout:
             raise ImageSizeError(f"image size must be positive, got {width}x{height}")
         factor = self.patch_size * self.merge_size
         try:
-            resized_h, resized_w = smart_resize(
+            resized_h, resized_w = _smart_resize()(
                 height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
             )
         except ValueError as exc:  # transformers refuses aspect ratios above 200
@@ -93,10 +90,16 @@ class Layout:
 
 
 _LAYOUTS: dict[str, Layout] = {}
+# The placeholder token of each family's published tokenizers.
+_FAMILY_IMAGE_TOKEN_IDS = {QWEN_VL_FAMILY: QWEN_VL_IMAGE_TOKEN_ID}
 
 
 def register_layout(layout: Layout) -> None:
-    _LAYOUTS[layout.fingerprint] = layout
+    # The fingerprint leaves the token id out, so two adapters of one layout may differ in it;
+    # the registry holds the family's published id, never whichever adapter came last. Rows of
+    # a custom tokenizer are checked against their own adapter (``store.writer(adapter=...)``).
+    token_id = _FAMILY_IMAGE_TOKEN_IDS.get(layout.family, layout.image_token_id)
+    _LAYOUTS[layout.fingerprint] = replace(layout, image_token_id=token_id)
 
 
 def layout_for_fingerprint(fingerprint: str) -> Layout | None:
@@ -108,6 +111,12 @@ class QwenVLAdapter:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one layout, any transformers backend."""
 
     def __init__(self, image_processor: Any, image_token_id: int = QWEN_VL_IMAGE_TOKEN_ID):
+        if not getattr(image_processor, "do_resize", True):
+            # Without smart_resize the grid is the raw size, which the layout cannot promise.
+            raise UnsupportedProcessorError(
+                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
+                "the Qwen-VL one (images must be resized to multiples of patch*merge)"
+            )
         self.image_processor = image_processor
         size = image_processor.size
         self.layout = Layout(
@@ -223,14 +232,30 @@ def adapter_for(processor: Any, *, image_token_id: int | None = None) -> QwenVLA
     """The family adapter for a transformers image processor (or a full processor).
 
     A full ``ProcessorMixin`` (image processor + tokenizer) also supplies the image token id.
+    A subclass of a supported processor is refused; if it keeps Qwen's resize rule, build
+    ``QwenVLAdapter(image_processor)`` directly.
     """
     image_processor = getattr(processor, "image_processor", processor)
     if image_token_id is None:
-        image_token_id = getattr(processor, "image_token_id", None) or QWEN_VL_IMAGE_TOKEN_ID
-    names = {cls.__name__ for cls in type(image_processor).__mro__}
-    if names & _QWEN_VL_PROCESSORS:
-        return QwenVLAdapter(image_processor, image_token_id=int(image_token_id))
+        image_token_id = getattr(processor, "image_token_id", None)
+    cls = type(image_processor)
+    # Exact classes, not subclasses: another model's processor deriving from these may resize
+    # differently, and a wrong layout would fail silently.
+    if cls.__name__ in _QWEN_VL_PROCESSORS and cls.__module__.startswith(_QWEN_VL_MODULE):
+        token_id = QWEN_VL_IMAGE_TOKEN_ID if image_token_id is None else int(image_token_id)
+        return QwenVLAdapter(image_processor, image_token_id=token_id)
     raise UnsupportedProcessorError(
-        f"no mmstore family adapter for {type(image_processor).__name__}; supported: "
-        f"{sorted(_QWEN_VL_PROCESSORS)} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
+        f"no mmstore family adapter for {cls.__module__}.{cls.__name__}; supported: "
+        f"{sorted(_QWEN_VL_PROCESSORS)} from transformers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
     )
+
+
+def _smart_resize() -> Any:
+    """transformers' own ``smart_resize``, imported on first use.
+
+    Importing it pulls in transformers' image stack (and torch, ~4 s): the CLI, polars
+    notebooks and the rollout side's ``import mmstore`` should not pay that up front.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize

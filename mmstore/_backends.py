@@ -4,13 +4,17 @@ Paths given to a backend are store-relative POSIX paths (``media/ab/cd/<hash>.pn
 backend also exposes a pyarrow ``FileSystem`` and the root's path in it, for dataset scans.
 
 Atomicity: locally a file is written under ``_staging/``, fsync'd, then linked or renamed
-into place; on S3 one PUT of the final key makes the object visible only once complete.
+into place (and the directories that changed are fsync'd), so a reader never sees half a
+file and a crash leaves garbage only in ``_staging/``. On S3 one PUT of the final key makes
+the object visible only once it is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,7 +39,7 @@ class Backend(Protocol):
     def abspath(self, rel: str) -> str: ...
     def read(self, rel: str) -> bytes: ...
     def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool: ...
-    def touch(self, rel: str, data: bytes) -> None: ...
+    def put_content(self, rel: str, data: bytes) -> None: ...
     def stat(self, rel: str) -> FileStat | None: ...
     def list(self, rel: str) -> list[FileStat]: ...
     def delete(self, rel: str) -> None: ...
@@ -58,7 +62,7 @@ class LocalBackend:
     def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool:
         """Write ``data`` at ``rel`` atomically; False if it existed and ``replace`` is off."""
         dest = self.abspath(rel)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        _makedirs_durable(os.path.dirname(dest))
         tmp = self.stage(data)
         try:
             if replace:
@@ -75,6 +79,20 @@ class LocalBackend:
         _fsync_dir(os.path.dirname(dest))
         return True
 
+    def put_content(self, rel: str, data: bytes) -> None:
+        """Store immutable (content-addressed) bytes once; if present, renew the timestamp."""
+        if self._renew(rel):
+            return
+        if not self.write_atomic(rel, data, replace=False):
+            self._renew(rel)  # a concurrent writer linked the same bytes first
+
+    def _renew(self, rel: str) -> bool:
+        try:
+            os.utime(self.abspath(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
     def stage(self, data: bytes) -> str:
         """A durable staging file holding ``data``; the caller moves or removes it."""
         staging = self.abspath(STAGING)
@@ -86,15 +104,13 @@ class LocalBackend:
             os.fsync(f.fileno())
         return tmp
 
-    def touch(self, rel: str, data: bytes) -> None:
-        os.utime(self.abspath(rel))
-
     def stat(self, rel: str) -> FileStat | None:
+        """Size and timestamp of the file at ``rel``; None if absent or not a file."""
         try:
             st = os.stat(self.abspath(rel))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        return FileStat(rel, st.st_size, st.st_mtime)
+        return FileStat(rel, st.st_size, st.st_mtime) if stat.S_ISREG(st.st_mode) else None
 
     def list(self, rel: str) -> list[FileStat]:
         top = self.abspath(rel)
@@ -120,12 +136,13 @@ class LocalBackend:
             os.unlink(self.abspath(rel))
 
     def delete_tree(self, rel: str) -> None:
-        import shutil
-
         shutil.rmtree(self.abspath(rel), ignore_errors=True)
 
     def is_empty(self) -> bool:
-        return not os.path.isdir(self.base) or not os.listdir(self.base)
+        """True where a store may be created: an absent path or an empty directory."""
+        if not os.path.lexists(self.base):
+            return True
+        return os.path.isdir(self.base) and not os.listdir(self.base)
 
     def inside(self, path: str) -> bool:
         """True if ``path`` (after symlinks) lies inside the store root."""
@@ -141,10 +158,27 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _makedirs_durable(path: str) -> None:
+    """``makedirs``, then fsync the parent of each directory it created, so that a file
+    linked into a new directory survives a power loss along with its directory entries."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    if not missing:
+        return
+    os.makedirs(missing[0], exist_ok=True)
+    for created in reversed(missing):
+        _fsync_dir(os.path.dirname(created))
+
+
 def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:
     """An S3 filesystem from explicit options, else the usual AWS environment variables.
 
-    ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) points it at any S3-protocol server.
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` points it at any S3-protocol server (MinIO,
+    Ceph, moto); ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` set the region; credentials come from
+    the AWS SDK's usual chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, profiles,
+    instance roles). Explicit options win over the environment.
     """
     opts = dict(options or {})
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -152,9 +186,13 @@ def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:
         parsed = urlparse(endpoint)
         opts["endpoint_override"] = parsed.netloc or parsed.path
         opts.setdefault("scheme", parsed.scheme or "https")
-    if "region" not in opts and (region := os.environ.get("AWS_DEFAULT_REGION")):
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region and "region" not in opts:
         opts["region"] = region
-    # Delayed open sends a small object as one PutObject instead of a multipart upload.
+    # Delayed open buffers a small object and sends it as one PutObject on close, instead of
+    # CreateMultipartUpload + UploadPart + Complete: one request per media file, the object
+    # appears whole or not at all, and S3 emulators with incomplete multipart support (some
+    # moto versions) work. Objects above the part size still go multipart, as S3 requires.
     opts.setdefault("allow_delayed_open", True)
     return pafs.S3FileSystem(**opts)
 
@@ -184,8 +222,11 @@ class S3Backend:
             f.write(data)
         return True
 
-    def touch(self, rel: str, data: bytes) -> None:
-        # S3 cannot bump a timestamp in place; rewriting the same bytes renews LastModified.
+    def put_content(self, rel: str, data: bytes) -> None:
+        # One PUT either way. S3 has no in-place timestamp renewal (and refuses a CopyObject
+        # onto itself that changes no metadata, which is all pyarrow can send); rewriting the
+        # identical bytes stores new content and renews LastModified of present content, in
+        # one request, with no HEAD and no race between writers of the same hash.
         self.write_atomic(rel, data)
 
     def stat(self, rel: str) -> FileStat | None:

@@ -11,13 +11,18 @@ from PIL import Image, UnidentifiedImageError
 from ._exceptions import DecompressionBombError, ImageDecodeError
 
 HASH_ALGORITHM = "xxh3-128"
-# 8K (7680x4320) is 33 MP; anything above 64 MP is refused before a pixel is decoded.
+# The decompression-bomb limit. 8K (7680x4320) is 33 MP, the largest screen or camera frame a
+# rollout plausibly holds; anything above 64 MP (192 MiB of RGB once decoded) is refused from
+# its header, before a pixel is decoded. Below Pillow's own limit (89 MP warns, 179 MP
+# raises), so ours is the one that fires; Store.open(max_image_pixels=...) changes it.
 DEFAULT_MAX_PIXELS = 64_000_000
 
-# Pillow format name -> the extensions a store accepts for it (first is canonical).
+# Pillow format name -> the extensions a store accepts for it (the first is canonical: a
+# put with ext="jpeg" is stored as .jpg, so the same bytes never get two names).
 FORMAT_EXTENSIONS = {
     "PNG": ("png",),
     "JPEG": ("jpg", "jpeg"),
+    "MPO": ("jpg", "jpeg"),  # multi-picture JPEG, as many cameras write them
     "WEBP": ("webp",),
     "GIF": ("gif",),
     "BMP": ("bmp",),

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -67,6 +68,17 @@ def _to_list(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+def _as_float32(values: list[float]) -> list[float]:
+    # The store keeps float32; rounding here makes a Rollout equal itself after a round trip
+    # through Arrow, and refuses finite values that float32 would turn into infinity.
+    wide = np.asarray(values, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        narrow = wide.astype(np.float32)
+    if np.any(np.isinf(narrow) & np.isfinite(wide)):
+        raise ValueError("value out of float32 range")
+    return narrow.tolist()
+
+
 class Rollout(BaseModel):
     """One training sample: tokens, masks, signals and image refs (never pixels).
 
@@ -121,6 +133,16 @@ class Rollout(BaseModel):
         if value and (min(value) < -(2**31) or max(value) > INT32_MAX):
             raise ValueError("token ids must fit in int32")
         return value
+
+    @field_validator("reward", "advantage")
+    @classmethod
+    def _float32_scalar(cls, value: float | None) -> float | None:
+        return None if value is None else _as_float32([value])[0]
+
+    @field_validator("logprobs")
+    @classmethod
+    def _float32_list(cls, value: list[float] | None) -> list[float] | None:
+        return None if value is None else _as_float32(value)
 
     @field_validator("metadata", mode="before")
     @classmethod

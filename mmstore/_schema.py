@@ -8,6 +8,7 @@ that neutral form, and a test keeps the two equal.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -73,15 +74,20 @@ def file_metadata(run_id: str, step: int, layouts: dict[str, Any]) -> dict[bytes
     }
 
 
-def check_schema_version(metadata: dict[bytes, bytes] | None, *, where: str) -> int:
-    """Return the schema version recorded in ``metadata``; refuse versions we cannot read."""
-    raw = (metadata or {}).get(META_SCHEMA_VERSION)
+def check_schema_version(metadata: Mapping[Any, Any] | None, *, where: str) -> int:
+    """Return the schema version recorded in ``metadata``; refuse versions we cannot read.
+
+    ``metadata`` is Parquet key-value metadata as pyarrow (bytes) or polars (str) returns it.
+    """
+    metadata = metadata or {}
+    raw = metadata.get(META_SCHEMA_VERSION, metadata.get(META_SCHEMA_VERSION.decode()))
     if raw is None:
         raise SchemaVersionError("Parquet file carries no mmstore.schema_version", file=where)
-    try:
-        version = int(raw)
-    except ValueError:
-        raise SchemaVersionError(f"unreadable mmstore.schema_version {raw!r}", file=where) from None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    # Only a plain decimal is a version: int() would also take " 1", "+1" and "1_0".
+    if not (text.isascii() and text.isdigit()):
+        raise SchemaVersionError(f"unreadable mmstore.schema_version {text!r}", file=where)
+    version = int(text)
     if version != SCHEMA_VERSION:
         raise SchemaVersionError(
             f"rollout schema version {version} is not supported (this mmstore reads "
@@ -91,13 +97,26 @@ def check_schema_version(metadata: dict[bytes, bytes] | None, *, where: str) -> 
     return version
 
 
+# Language-neutral names of the Arrow types the schema uses (Arrow's own str() of float32 is
+# "float", which other languages read as a different width).
+_TYPE_NAMES = {
+    pa.string(): "string",
+    pa.bool_(): "bool",
+    pa.int32(): "int32",
+    pa.int64(): "int64",
+    pa.float32(): "float32",
+}
+
+
 def _describe_type(t: pa.DataType) -> Any:
     if pa.types.is_list(t):
         item = t.value_field
         return {"list": _describe_type(item.type), "item_nullable": item.nullable}
     if pa.types.is_struct(t):
         return {"struct": [_describe_field(t.field(i)) for i in range(t.num_fields)]}
-    return str(t)
+    if t not in _TYPE_NAMES:
+        raise TypeError(f"no language-neutral name for Arrow type {t}: add it to _TYPE_NAMES")
+    return _TYPE_NAMES[t]
 
 
 def _describe_field(f: pa.Field) -> dict[str, Any]:
@@ -113,6 +132,8 @@ def describe(schema: pa.Schema = ROLLOUT_SCHEMA) -> dict[str, Any]:
             "style": "hive",
             "fields": [_describe_field(f) for f in PARTITION_FIELDS],
         },
-        "key_value_metadata": [k.decode() for k in (META_SCHEMA_VERSION, META_RUN_ID, META_STEP)],
+        "key_value_metadata": [
+            k.decode() for k in (META_SCHEMA_VERSION, META_RUN_ID, META_STEP, META_LAYOUTS)
+        ],
         "fields": [_describe_field(f) for f in schema],
     }

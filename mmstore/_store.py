@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlparse, urlsplit
 
 from PIL import Image
 
@@ -20,6 +21,7 @@ from ._exceptions import (
     HashMismatchError,
     ImageDecodeError,
     MediaNotFoundError,
+    MmstoreError,
     NotAStoreError,
     SchemaVersionError,
     UntrustedURIError,
@@ -46,6 +48,8 @@ MANIFEST = "mmstore.json"
 ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
+# An RFC 3986 scheme prefix; a URI without one is store-relative.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 class Store:
@@ -86,7 +90,14 @@ class Store:
 
         ``create=True`` makes a new store where there is none (an empty or absent location).
         ``trusted_roots`` lists the ``file://`` / ``s3://`` prefixes that absolute media URIs
-        may point into. ``s3_options`` go to ``pyarrow.fs.S3FileSystem``.
+        may point into. ``s3_options`` go to ``pyarrow.fs.S3FileSystem``; without them the
+        endpoint, region and credentials come from the usual AWS environment variables
+        (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ...). Images above
+        ``max_image_pixels`` are refused as decompression bombs, on put and on decode.
+
+        Raises :class:`NotAStoreError` where there is no store (and ``create`` is off, or the
+        location holds other files) and :class:`SchemaVersionError` for a store format this
+        mmstore does not read.
         """
         root = os.fspath(root)
         backend: Backend
@@ -103,19 +114,7 @@ class Store:
                     f"no mmstore store at {root!r} (no {MANIFEST}); pass create=True to make one",
                     root=root,
                 )
-            if not backend.is_empty():
-                raise NotAStoreError(
-                    f"{root!r} is not empty and holds no {MANIFEST}; refusing to create a store "
-                    "over other files",
-                    root=root,
-                )
-            raw = {
-                "format": "mmstore",
-                "format_version": FORMAT_VERSION,
-                "hash_algorithm": HASH_ALGORITHM,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            backend.write_atomic(MANIFEST, json.dumps(raw, indent=2).encode())
+            raw = _create_manifest(backend, root)
         _check_manifest(raw, root)
         return cls(
             root,
@@ -131,8 +130,11 @@ class Store:
     def put_media(self, data: bytes, ext: str = "png") -> MediaRef:
         """Store encoded image bytes once, by content; return their ref.
 
-        A put of bytes already present writes nothing and renews the file's timestamp, so a
-        concurrent gc's grace period protects rows about to reference it.
+        The bytes must start with the header of an image of the format ``ext`` names, within
+        the pixel limit; puts read headers only (a corrupt body fails when it is decoded,
+        with :class:`ImageDecodeError`). A put of bytes already present writes nothing new
+        and renews the file's timestamp, so gc's grace period protects rows about to
+        reference it.
         """
         ext = ext.lower().lstrip(".")
         if ext not in EXTENSIONS:
@@ -140,14 +142,12 @@ class Store:
                 f"unsupported media extension {ext!r}; one of {sorted(EXTENSIONS)}"
             )
         fmt, width, height = probe(data, max_pixels=self.max_image_pixels)
-        if ext not in FORMAT_EXTENSIONS.get(fmt, ()):
+        allowed = FORMAT_EXTENSIONS.get(fmt, ())
+        if ext not in allowed:
             raise ImageDecodeError(f"bytes are {fmt or 'unknown'} but ext={ext!r}")
         digest = content_hash(data)
-        rel = media_path(digest, ext)
-        if self.backend.stat(rel) is not None or not self.backend.write_atomic(
-            rel, data, replace=False
-        ):
-            self.backend.touch(rel, data)
+        rel = media_path(digest, allowed[0])
+        self.backend.put_content(rel, data)
         return MediaRef(hash=digest, uri=rel, width=width, height=height, nbytes=len(data))
 
     def put_image(self, image: Image.Image, format: str = "png", quality: int = 95) -> MediaRef:
@@ -181,28 +181,73 @@ class Store:
         return backend.stat(rel)
 
     def ensure_media(self, ref: ImageRef | MediaRef, **where: Any) -> None:
-        """Refuse a ref whose bytes are absent (or whose store path does not match its hash)."""
-        if not posixpath.basename(ref.uri).startswith(ref.hash) and "://" not in ref.uri:
-            raise HashMismatchError(
-                f"store URI {ref.uri!r} does not name hash {ref.hash}", uri=ref.uri, **where
-            )
-        if self.media_stat(ref.uri) is None:
-            raise MediaNotFoundError("referenced media is not in the store", uri=ref.uri, **where)
+        """Refuse a ref whose bytes are not where it says, with ``where`` in the error.
+
+        Store media is named by its hash and written whole, so a name check and an existence
+        check prove it; media under a trusted root has no such guarantee and is read and
+        hashed.
+        """
+        try:
+            backend, rel = self.resolve(ref.uri)
+            if backend is not self.backend:
+                self.read_media(ref.uri, ref.hash)
+                return
+            if rel != media_path(ref.hash, posixpath.splitext(rel)[1][1:]):
+                raise HashMismatchError(
+                    f"store URI does not name hash {ref.hash} (expected "
+                    f"{media_path(ref.hash, '<ext>')})",
+                    uri=ref.uri,
+                )
+            if backend.stat(rel) is None:
+                raise MediaNotFoundError("referenced media is not in the store", uri=ref.uri)
+        except MmstoreError as exc:
+            raise type(exc)(exc.message, **{**exc.context, **where}) from None
 
     # -- URIs ----------------------------------------------------------------------------
 
     def resolve(self, uri: str) -> tuple[Backend, str]:
-        """The backend and relative path a media URI names, refusing anything untrusted."""
+        """The backend and relative path a media URI names, refusing anything untrusted.
+
+        A URI without a scheme is store-relative and must be a normalized path under
+        ``media/``; ``file://`` and ``s3://`` URIs must lie under a trusted root; every other
+        scheme (http, data, ftp, ...) is refused: a row never makes a reader fetch from the
+        network or read outside what its owner allowed.
+        """
         if not isinstance(uri, str) or not uri:
             raise UntrustedURIError(f"media URI must be a non-empty string, got {uri!r}")
-        if "://" not in uri:
+        if any(ord(c) < 32 for c in uri):
+            raise UntrustedURIError("media URI contains control characters", uri=uri)
+        match = _SCHEME.match(uri)
+        if match is None:
             return self.backend, self._store_relative(uri)
-        scheme = uri.split("://", 1)[0].lower()
-        if scheme not in ("file", "s3"):
+        scheme = match.group(1).lower()
+        if scheme == "s3":
+            target = _s3_target(uri)
+        elif scheme == "file":
+            target = _file_target(uri)
+        else:
             raise UntrustedURIError(f"URI scheme {scheme!r} is never trusted", uri=uri)
-        target = _normalize_root(uri)
-        if ".." in target.split("/"):
-            raise UntrustedURIError("URI contains '..'", uri=uri)
+        return self._under_trusted_root(uri, target)
+
+    def _store_relative(self, uri: str) -> str:
+        if uri.startswith("/"):
+            raise UntrustedURIError("absolute path; media URIs are store-relative", uri=uri)
+        if "\\" in uri:
+            raise UntrustedURIError("backslash in a media URI", uri=uri)
+        parts = uri.split("/")
+        if ".." in parts:
+            raise UntrustedURIError("'..' in a media URI", uri=uri)
+        if parts[0] != MEDIA or len(parts) < 2 or any(p in ("", ".") for p in parts):
+            raise UntrustedURIError(
+                f"store-relative media URIs are normalized paths under {MEDIA}/", uri=uri
+            )
+        if isinstance(self.backend, LocalBackend) and not self.backend.inside(
+            self.backend.abspath(uri)
+        ):
+            raise UntrustedURIError("media URI leaves the store via a symlink", uri=uri)
+        return uri
+
+    def _under_trusted_root(self, uri: str, target: str) -> tuple[Backend, str]:
         for root in self.trusted_roots:
             if not target.startswith(root + "/"):
                 continue
@@ -215,23 +260,6 @@ class Store:
             "absolute media URI outside every trusted root (Store.open(trusted_roots=...))",
             uri=uri,
         )
-
-    def _store_relative(self, uri: str) -> str:
-        parts = uri.split("/")
-        if (
-            uri.startswith("/")
-            or "\\" in uri
-            or parts[0] != MEDIA
-            or any(p in ("", ".", "..") for p in parts)
-        ):
-            raise UntrustedURIError(
-                "store-relative media URIs are normalized paths under media/", uri=uri
-            )
-        if isinstance(self.backend, LocalBackend) and not self.backend.inside(
-            self.backend.abspath(uri)
-        ):
-            raise UntrustedURIError("media URI leaves the store via a symlink", uri=uri)
-        return uri
 
     def _external_backend(self, root: str) -> Backend:
         if root not in self._external:
@@ -264,7 +292,7 @@ class Store:
             run_id,
             step,
             adapter=adapter,
-            row_group_size=row_group_size or DEFAULT_ROW_GROUP_SIZE,
+            row_group_size=DEFAULT_ROW_GROUP_SIZE if row_group_size is None else row_group_size,
         )
 
     def rollout_files(self) -> list[FileStat]:
@@ -282,13 +310,56 @@ class Store:
 
 
 def _normalize_root(root: str) -> str:
-    """``file:///x/y`` / ``/x/y`` / ``s3://b/p`` -> canonical prefix without a trailing slash."""
-    if root.startswith("s3://"):
-        return "s3://" + root[len("s3://") :].strip("/")
-    path = unquote(urlparse(root).path) if root.startswith("file://") else root
-    if not os.path.isabs(path):
-        raise UntrustedURIError(f"trusted root must be absolute, got {root!r}")
-    return "file://" + os.path.realpath(path)
+    """A trusted root (``file:///x/y``, ``/x/y`` or ``s3://b/p``) as a canonical prefix
+    without a trailing slash; local roots have their symlinks resolved."""
+    root = os.fspath(root)
+    if root.lower().startswith("s3://"):
+        return _s3_target("s3://" + root[len("s3://") :].strip("/"))
+    target = _file_target(root if root.lower().startswith("file://") else "file://" + root)
+    return "file://" + os.path.realpath(target[len("file://") :])
+
+
+def _s3_target(uri: str) -> str:
+    """``s3://bucket/key`` (or a whole ``s3://bucket``) checked for path tricks."""
+    bucket, slash, key = uri[len("s3://") :].partition("/")
+    parts = key.split("/") if slash else []
+    if not bucket or "\\" in uri or any(p in ("", ".", "..") for p in parts):
+        raise UntrustedURIError("S3 URI must be s3://bucket/key with a normalized key", uri=uri)
+    return f"s3://{bucket}/{key}" if slash else f"s3://{bucket}"
+
+
+def _file_target(uri: str) -> str:
+    """``file:///abs/path`` (or ``file://localhost/...``) checked, as ``file:///abs/path``.
+
+    ``..`` is refused outright rather than normalized: a ref names its file directly. Symlinks
+    are resolved later, against the trusted root that the path falls under.
+    """
+    parsed = urlsplit(uri)
+    if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
+        raise UntrustedURIError("file URI must be file:///absolute/path (no host)", uri=uri)
+    path = unquote(parsed.path)
+    if not path.startswith("/") or "\\" in path or ".." in path.split("/"):
+        raise UntrustedURIError("file URI must name a normalized absolute path", uri=uri)
+    return "file://" + os.path.normpath(path)
+
+
+def _create_manifest(backend: Backend, root: str) -> dict[str, Any]:
+    if not backend.is_empty():
+        raise NotAStoreError(
+            f"{root!r} is not an empty directory and holds no {MANIFEST}; refusing to create "
+            "a store over other files",
+            root=root,
+        )
+    manifest = {
+        "format": "mmstore",
+        "format_version": FORMAT_VERSION,
+        "hash_algorithm": HASH_ALGORITHM,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if backend.write_atomic(MANIFEST, json.dumps(manifest, indent=2).encode(), replace=False):
+        return manifest
+    # Another process created the store at the same moment: open theirs.
+    return _read_manifest(backend, root) or manifest
 
 
 def _read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:

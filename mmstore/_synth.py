@@ -31,13 +31,13 @@ def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
     image = Image.new("RGB", (width, height), (rng.randint(225, 250),) * 3)
     draw = ImageDraw.Draw(image)
     accent = (rng.randint(0, 120), rng.randint(60, 160), rng.randint(150, 255))
-    draw.rectangle([0, 0, width, max(8, height // 20)], fill=accent)
+    draw.rectangle([0, 0, width, max(2, height // 20)], fill=accent)
     draw.rectangle([0, height // 20, width // 6, height], fill=(40, 44, 52))
     for _ in range(rng.randint(4, 9)):
-        x0 = rng.randint(width // 6, width - 40)
-        y0 = rng.randint(height // 20, height - 30)
-        x1 = min(width - 1, x0 + rng.randint(30, width // 3))
-        y1 = min(height - 1, y0 + rng.randint(20, height // 4))
+        x0 = rng.randint(width // 6, max(width // 6, width - 40))
+        y0 = rng.randint(height // 20, max(height // 20, height - 30))
+        x1 = min(width - 1, x0 + rng.randint(2, max(2, width // 3)))
+        y1 = min(height - 1, y0 + rng.randint(2, max(2, height // 4)))
         draw.rectangle([x0, y0, x1, y1], fill=(255, 255, 255), outline=(200, 200, 200))
         for line in range(y0 + 6, y1 - 6, 12):
             draw.line(
@@ -46,7 +46,7 @@ def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
                 width=3,
             )
     for _ in range(rng.randint(2, 6)):
-        x0, y0 = rng.randint(0, width - 60), rng.randint(0, height - 30)
+        x0, y0 = rng.randint(0, max(0, width - 60)), rng.randint(0, max(0, height - 30))
         draw.rounded_rectangle([x0, y0, x0 + 80, y0 + 28], radius=6, fill=accent)
     return image
 
@@ -96,7 +96,11 @@ def grpo_rollouts(
         return store.put_image(draw(image_seed, *image_size), format=fmt)
 
     for g in range(groups):
-        shared = [put(seed * 1_000_003 + g * 97 + i) for i in range(images_per_sample)]
+        shared = (
+            [put(seed * 1_000_003 + g * 97 + i) for i in range(images_per_sample)]
+            if share_images
+            else []
+        )
         prompt = prompt_tokens(rng, 24, images_per_sample)
         for k in range(group_size):
             if share_images:

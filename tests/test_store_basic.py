@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -44,3 +46,22 @@ def test_put_read_write_round_trip(any_store, adapter):
     table = pq.read_table(path, filesystem=any_store.backend.fs, partitioning=None)
     assert table.column("sample_id").to_pylist() == ["a"]
     assert table.column("images").to_pylist()[0][0]["hash"] == media.hash
+
+
+def test_store_pickles_for_dataloader_workers(any_store, tmp_path):
+    # DataLoader workers receive the store by pickling; the copy reads and writes the same
+    # bytes, with the same trust settings.
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    store = mmstore.Store.open(
+        any_store.root, trusted_roots=[trusted], s3_options=any_store.s3_options or None
+    )
+    media = store.put_image(screenshot(2, 160, 100))
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.root == store.root
+    assert copy.trusted_roots == store.trusted_roots == (f"file://{trusted.resolve()}",)
+    assert copy.read_media(media.uri, media.hash) == store.read_media(media.uri, media.hash)
+    other = copy.put_image(screenshot(3, 160, 100))
+    assert store.read_media(other.uri, other.hash)
+    with pytest.raises(mmstore.UntrustedURIError):
+        copy.read_media("file:///etc/passwd", media.hash)

@@ -1,0 +1,69 @@
+"""Shared pieces of the benchmarks: workloads and side-by-side timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import mmstore
+from mmstore._synth import grpo_rollouts
+
+WORKLOADS = {
+    # PIL-drawn UI screenshots, multi-turn (2 per sample), GRPO groups of 8 sharing them.
+    "screenshots": dict(
+        kind="screenshot",
+        images_per_sample=2,
+        group_size=8,
+        share_images=True,
+        image_size=(1920, 1080),
+    ),
+    # Photo-like JPEGs, one per sample, nothing shared.
+    "photos": dict(
+        kind="photo", images_per_sample=1, group_size=1, share_images=False, image_size=(800, 600)
+    ),
+}
+
+
+def processor() -> Qwen2VLImageProcessorPil:
+    """Qwen2-VL's image processor with its published defaults."""
+    return Qwen2VLImageProcessorPil()
+
+
+def write_workload(
+    root: str, name: str, samples: int, *, small_images: bool = False, steps: int = 1
+) -> mmstore.Store:
+    """A store holding ``samples`` rows of workload ``name`` spread over ``steps`` steps."""
+    spec = dict(WORKLOADS[name])
+    if small_images:
+        w, h = spec["image_size"]
+        spec["image_size"] = (w // 3, h // 3)
+    store = mmstore.Store.open(root, create=True)
+    adapter = mmstore.adapter_for(processor())
+    groups = max(1, samples // spec["group_size"] // steps)
+    for step in range(steps):
+        with store.writer(run_id=name, step=step, row_group_size=64) as writer:
+            for rollout in grpo_rollouts(store, adapter, groups=groups, seed=step, **spec):
+                writer.write(rollout)
+    return store
+
+
+def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, dict[str, Any]]:
+    """Run each timing function ``reps`` times, A B A B …; median and spread of each."""
+    values: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            values[key].append(fn())
+    return {
+        k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+        for k, v in values.items()
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result

@@ -1,0 +1,71 @@
+"""Bytes on disk per sample: mmstore vs dense fp32 pixel_values vs inline image bytes.
+
+    python -m benchmarks.bench_disk --scale 1
+
+- dense fp32: what shipping processed ``pixel_values`` costs (the baseline refs replace);
+- inline: the same rows with each sample's encoded image bytes in a binary column of the
+  Parquet file (no dedup), written with the same zstd settings;
+- mmstore: the rows' Parquet files plus the content-addressed media they reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import mmstore
+from benchmarks._common import WORKLOADS, processor, write_workload
+
+
+def measure(store: mmstore.Store) -> dict[str, Any]:
+    adapter = mmstore.adapter_for(processor())
+    parquet = store.rollout_files()
+    tables = [pq.read_table(store.backend.abspath(f.path), partitioning=None) for f in parquet]
+    table = pa.concat_tables(tables)
+    rows = table.num_rows
+    dense = 0
+    inline_images = []
+    for refs in table.column("images").to_pylist():
+        inline_images.append([store.read_media(r["uri"], r["hash"]) for r in refs])
+        for r in refs:
+            patches, dim = adapter.layout.pixel_shape(r["width"], r["height"])
+            dense += patches * dim * 4
+    inline = table.append_column("image_bytes", pa.array(inline_images, pa.list_(pa.binary())))
+    sink = pa.BufferOutputStream()
+    pq.write_table(inline, sink, compression="zstd")
+    inline_bytes = sink.getvalue().size
+    media_bytes = sum(f.size for f in store.backend.list("media"))
+    stored = media_bytes + sum(f.size for f in parquet)
+    return {
+        "samples": rows,
+        "mmstore_bytes_per_sample": stored / rows,
+        "dense_fp32_bytes_per_sample": dense / rows,
+        "inline_bytes_per_sample": inline_bytes / rows,
+        "dense_over_mmstore": dense / stored,
+        "inline_over_mmstore": inline_bytes / stored,
+    }
+
+
+def run(scale: float = 1.0, reps: int = 1) -> dict[str, Any]:
+    samples = max(8, round(64 * scale))
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in WORKLOADS:
+            store = write_workload(f"{tmp}/{name}", name, samples, small_images=scale < 0.5)
+            out[name] = measure(store)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0)
+    print(json.dumps(run(parser.parse_args().scale), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""The trainer's path: RolloutDataset (what to read) and RolloutLoader (batches, resume).
+
+The loader is a torch DataLoader over a stream of whole batches (``batch_size=None``):
+worker ``w`` builds batches ``k + w, k + w + n, …`` of the rank's sample sequence (see
+:mod:`._order`), so the batches come out in the same order for any number of workers and a
+resume at batch ``k`` reads nothing before it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ._adapters import adapter_for
+from ._collate import QWEN_PAD_TOKEN_ID, collate
+from ._exceptions import LayoutMismatchError, MmstoreError
+from ._materialize import DEFAULT_CACHE_BYTES, Materializer, MissingPolicy, Sample
+from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
+from ._scan import Snapshot, fingerprints_by_run, read_units, take_snapshot
+from ._store import Store
+
+STATE_VERSION = 1
+
+
+class RolloutDataset(IterableDataset[Sample]):
+    """The committed rollouts of a store (a snapshot taken now), read for one rank.
+
+    Building it checks every layout fingerprint in the snapshot against ``image_processor``
+    and raises :class:`LayoutMismatchError` before any batch. Iterating it directly yields
+    unbatched samples; use :class:`RolloutLoader` for batches, workers and resume.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        image_processor: Any,
+        dtype: torch.dtype = torch.bfloat16,
+        missing: MissingPolicy = "error",
+        runs: Iterable[str] | None = None,
+        steps: Iterable[int] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        max_len: int | None = None,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        window_units: int = DEFAULT_WINDOW_UNITS,
+    ) -> None:
+        if missing not in ("error", "placeholder_zero_loss"):
+            raise ValueError(f"missing must be 'error' or 'placeholder_zero_loss', got {missing!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.store = store
+        self.image_processor = image_processor
+        self.adapter = adapter_for(image_processor)
+        self.dtype = dtype
+        self.missing = missing
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.max_len = max_len
+        self.cache_bytes = cache_bytes
+        self.window_units = window_units
+        self.epoch = 0
+        self.position = 0
+        self.snapshot = take_snapshot(store, runs, steps)
+        self._check_layouts(self.snapshot)
+        self._materializer: Materializer | None = None
+
+    def _check_layouts(self, snapshot: Snapshot) -> None:
+        found = fingerprints_by_run(self.store, snapshot)
+        wrong = {fp: runs for fp, runs in found.items() if fp != self.adapter.fingerprint}
+        if wrong:
+            listing = "; ".join(
+                f"{fp} in runs {sorted(runs)}" for fp, runs in sorted(wrong.items())
+            )
+            raise LayoutMismatchError(
+                f"stored image layouts differ from the processor's ({self.adapter.fingerprint}, "
+                f"{self.adapter.layout.params()}): {listing}",
+                runs=sorted({r for runs in wrong.values() for r in runs}),
+            )
+
+    def use_snapshot(self, files: list[str]) -> None:
+        """Read exactly these committed files (a resumed run's snapshot)."""
+        if list(self.snapshot.files) != list(files):
+            snapshot = take_snapshot(self.store, files=files)
+            self._check_layouts(snapshot)
+            self.snapshot = snapshot
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        return EpochPlan.build(
+            self.snapshot,
+            seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch,
+            shuffle=self.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+            window_units=self.window_units,
+        )
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch."""
+        return self.plan().num_samples
+
+    def materializer(self) -> Materializer:
+        # Built lazily, once per worker process: the cache lives as long as the worker.
+        if self._materializer is None:
+            self._materializer = Materializer(
+                self.store,
+                self.adapter,
+                dtype=self.dtype,
+                missing=self.missing,
+                max_len=self.max_len,
+                cache_bytes=self.cache_bytes,
+            )
+        return self._materializer
+
+    def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
+        """Materialize the samples at increasing ``positions`` of this rank's epoch."""
+        plan = self.plan(epoch)
+        wanted = list(positions)
+        i = 0
+        materializer = self.materializer()
+        while i < len(wanted):
+            window = plan.window_of(wanted[i])
+            lo, hi = plan.window_range(window)
+            j = i
+            while j < len(wanted) and wanted[j] < hi:
+                j += 1
+            table = read_units(self.store, plan.windows[window])
+            order = block_permutation(
+                table.column("group_id").to_pylist(),
+                seed=self.seed,
+                epoch=epoch,
+                rank=self.rank,
+                window=window,
+                shuffle=self.shuffle,
+            )
+            rows = table.take(order[[p - lo for p in wanted[i:j]]]).to_pylist()
+            for position, row in zip(wanted[i:j], rows, strict=True):
+                yield position, materializer.sample(row)
+            i = j
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Unbatched samples from ``self.position`` on (sharded by position across workers).
+
+        In the main process (no workers) ``state_dict`` tracks what was yielded; with
+        workers, resume through :class:`RolloutLoader`.
+        """
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        positions = range(self.position + worker, self.plan().num_samples, workers)
+        for position, sample in self.samples(self.epoch, positions):
+            if info is None:
+                self.position = position + 1
+            yield sample
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "files": list(self.snapshot.files)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.use_snapshot(state["files"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class _BatchStream(IterableDataset[dict[str, Any]]):
+    """Whole batches ``start, start+1, …`` of one epoch, split across DataLoader workers."""
+
+    def __init__(
+        self,
+        dataset: RolloutDataset,
+        *,
+        epoch: int,
+        start: int,
+        batch_size: int,
+        drop_last: bool,
+        dummy_image: bool,
+        pad_token_id: int,
+    ) -> None:
+        self.dataset = dataset
+        self.epoch = epoch
+        self.start = start
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.dummy_image = dummy_image
+        self.pad_token_id = pad_token_id
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        plan = self.dataset.plan(self.epoch)
+        total = plan.num_batches(self.batch_size, self.drop_last)
+        mine = worker_batches(self.start, total, worker, workers)
+        bs = self.batch_size
+        positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
+        cache = self.dataset.materializer().cache
+        pending: list[Sample] = []
+        hits, misses = cache.hits, cache.misses
+        for position, sample in self.dataset.samples(self.epoch, positions):
+            pending.append(sample)
+            if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
+                batch = collate(
+                    pending,
+                    pad_token_id=self.pad_token_id,
+                    dummy_image=self.dataset.adapter if self.dummy_image else None,
+                    dtype=self.dataset.dtype,
+                )
+                batch["batch_index"] = position // bs
+                batch["cache_hits"], batch["cache_misses"] = (
+                    cache.hits - hits,
+                    cache.misses - misses,
+                )
+                hits, misses = cache.hits, cache.misses
+                pending = []
+                if info is None:
+                    self.start = batch["batch_index"] + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "start": self.start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.start = int(state["epoch"]), int(state["start"])
+
+
+class RolloutLoader:
+    """Batches of one rank, in an order independent of ``num_workers``, resumable exactly.
+
+    ``state_dict()`` records the epoch, how many batches this loader has handed out, and the
+    snapshot's files; ``load_state_dict()`` continues with exactly the rest of that epoch.
+    When an epoch is read to its end the loader moves on to the next epoch by itself;
+    ``set_epoch(n)`` chooses one explicitly (and starts it from its first batch).
+    """
+
+    def __init__(
+        self,
+        dataset: RolloutDataset,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        *,
+        drop_last: bool = False,
+        dummy_image: bool = False,
+        pad_token_id: int = QWEN_PAD_TOKEN_ID,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        multiprocessing_context: Any = None,
+        timeout: float = 0,
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self.dummy_image = dummy_image
+        self.pad_token_id = pad_token_id
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.multiprocessing_context = multiprocessing_context
+        self.timeout = timeout
+        self.epoch = dataset.epoch
+        self.batches_yielded = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.batches_yielded = 0
+
+    def __len__(self) -> int:
+        """Batches of the current epoch on this rank."""
+        return self.dataset.plan(self.epoch).num_batches(self.batch_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        total = len(self)
+        stream = _BatchStream(
+            self.dataset,
+            epoch=self.epoch,
+            start=self.batches_yielded,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            dummy_image=self.dummy_image,
+            pad_token_id=self.pad_token_id,
+        )
+        loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
+            pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
+            timeout=self.timeout,
+        )
+        for batch in loader:
+            if batch["images_missing"]:
+                warnings.warn(
+                    f"{batch['images_missing']} sample(s) had missing media, replaced by "
+                    f"zero-loss placeholders: {batch['missing_uris']}",
+                    stacklevel=2,
+                )
+            self.batches_yielded += 1
+            yield batch
+        if self.batches_yielded >= total:
+            self.set_epoch(self.epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        ds = self.dataset
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches_yielded": self.batches_yielded,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "seed": ds.seed,
+            "shuffle": ds.shuffle,
+            "rank": ds.rank,
+            "world_size": ds.world_size,
+            "window_units": ds.window_units,
+            "files": list(ds.snapshot.files),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was taken (any ``num_workers``)."""
+        if state.get("version") != STATE_VERSION:
+            raise MmstoreError(f"loader state version {state.get('version')!r} is not supported")
+        ds = self.dataset
+        fixed = {
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "seed": ds.seed,
+            "shuffle": ds.shuffle,
+            "rank": ds.rank,
+            "world_size": ds.world_size,
+            "window_units": ds.window_units,
+        }
+        differ = {k: (state.get(k), v) for k, v in fixed.items() if state.get(k) != v}
+        if differ:
+            raise MmstoreError(
+                "loader state was taken with other settings (saved, current): "
+                + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
+            )
+        ds.use_snapshot(state["files"])
+        self.set_epoch(int(state["epoch"]))
+        self.batches_yielded = int(state["batches_yielded"])
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    return rank, world_size

@@ -1,0 +1,177 @@
+"""Image refs out of committed rollout files, reading only the leaf columns asked for.
+
+Shared by gc, pins, verify and export. A store's Parquet files name the list element
+``element`` (pyarrow writes compliant nested types); other engines may use ``item``, so leaf
+paths are looked up in each file's schema rather than spelled out. A path that names no
+column would silently read nothing, which for gc would mean deleting live media.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from ._exceptions import MmstoreError, SchemaVersionError
+from ._scan import partition_of
+
+if TYPE_CHECKING:
+    from ._backends import FileStat
+    from ._store import Store
+
+T = TypeVar("T")
+HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def progress_bar(items: Iterable[T], enabled: bool | None, **kwargs: Any) -> Iterator[T]:
+    """tqdm over ``items``; ``enabled=None`` shows it on a TTY unless MMSTORE_PROGRESS=0."""
+    if enabled is None:
+        disable: bool | None = True if os.environ.get("MMSTORE_PROGRESS") == "0" else None
+    else:
+        disable = not enabled
+    return iter(tqdm(items, disable=disable, **kwargs))
+
+
+# -- selecting files -----------------------------------------------------------------------
+
+
+def select_files(
+    store: Store,
+    runs: str | Iterable[str] | None = None,
+    steps: int | range | Iterable[int] | None = None,
+) -> list[FileStat]:
+    """Committed rollout files whose ``run_id=…/step=…`` partition matches the selection."""
+    run_set = _run_set(runs)
+    step_set = _step_set(steps)
+    selected = []
+    for stat in store.rollout_files():
+        run_id, step = partition_of(stat.path)
+        if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
+            selected.append(stat)
+    return selected
+
+
+def _run_set(runs: str | Iterable[str] | None) -> set[str] | None:
+    if runs is None:
+        return None
+    chosen = {runs} if isinstance(runs, str) else set(runs)
+    bad = [r for r in chosen if not isinstance(r, str)]
+    if bad:
+        raise MmstoreError(f"runs must be run_id strings, got {bad[:3]!r}")
+    return chosen
+
+
+def _step_set(steps: int | range | Iterable[int] | None) -> range | set[int] | None:
+    if steps is None or isinstance(steps, range):
+        return steps
+    chosen = {steps} if isinstance(steps, int) else set(steps)
+    bad = [s for s in chosen if isinstance(s, bool) or not isinstance(s, int)]
+    if bad:
+        raise MmstoreError(f"steps must be ints (or a range), got {bad[:3]!r}")
+    return chosen
+
+
+# -- reading refs --------------------------------------------------------------------------
+
+
+def open_rollout_file(store: Store, path: str) -> pq.ParquetFile:
+    """The Parquet file at store-relative ``path``; MmstoreError naming it if unreadable."""
+    try:
+        source = store.backend.fs.open_input_file(store.backend.abspath(path))
+        return pq.ParquetFile(source)
+    except (OSError, pa.ArrowException) as exc:
+        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+
+
+def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
+    """The column path of ``images[].<field>`` in this file (``images.list.element.hash``)."""
+    for i in range(parquet.metadata.num_columns):
+        path: str = parquet.schema.column(i).path
+        parts = path.split(".")
+        if len(parts) == 4 and parts[0] == "images" and parts[3] == field:
+            return path
+    raise SchemaVersionError(f"rollout file has no images[].{field} column", file=file)
+
+
+def file_hashes(store: Store, path: str) -> pa.Array:
+    """Distinct hashes one committed file references (reads the hash leaf column only)."""
+    parquet = open_rollout_file(store, path)
+    try:
+        column = parquet.read(columns=[image_leaf(parquet, "hash", file=path)]).column("images")
+    except (OSError, pa.ArrowException) as exc:
+        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+    return pc.unique(pc.struct_field(pc.list_flatten(column), "hash"))
+
+
+def referenced_hashes(
+    store: Store, paths: Iterable[str], *, progress: bool | None = None, desc: str = "mark"
+) -> set[str]:
+    """Every hash the files at ``paths`` reference."""
+    listed = progress_bar(list(paths), progress, desc=desc)
+    chunks = [_hashes_unless_removed(store, path) for path in listed]
+    if not chunks:
+        return set()
+    return set(pc.unique(pa.chunked_array(chunks, pa.string())).to_pylist())
+
+
+def _hashes_unless_removed(store: Store, path: str) -> pa.Array:
+    """A file released since it was listed references nothing any more; anything else that
+    cannot be read stops the caller (gc must not guess what an unreadable file keeps)."""
+    try:
+        return file_hashes(store, path)
+    except MmstoreError:
+        if store.backend.stat(path) is None:
+            return pa.array([], pa.string())
+        raise
+
+
+def read_ref_columns(parquet: pq.ParquetFile, *, file: str) -> pa.Table:
+    """``sample_id`` and the ``images[].{uri,hash,nbytes}`` leaves of a file, nothing else."""
+    leaves = [image_leaf(parquet, f, file=file) for f in ("uri", "hash", "nbytes")]
+    return parquet.read(columns=["sample_id", *leaves])
+
+
+def flatten_refs(table: pa.Table) -> pa.Table:
+    """One row per image ref: row, image_index, sample_id, uri, hash, nbytes."""
+    images = table.column("images").combine_chunks()
+    lengths = pc.list_value_length(images).to_numpy(zero_copy_only=False)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    flat = pc.list_flatten(images)
+    return pa.table(
+        {
+            "row": rows,
+            "image_index": np.arange(len(rows), dtype=np.int64) - starts,
+            "sample_id": pc.take(table.column("sample_id"), pa.array(rows)),
+            "uri": pc.struct_field(flat, "uri"),
+            "hash": pc.struct_field(flat, "hash"),
+            "nbytes": pc.struct_field(flat, "nbytes"),
+        }
+    )
+
+
+def media_hash(path: str) -> str | None:
+    """The hash a store media path ``media/ab/cd/<hash>.<ext>`` names, else None."""
+    parts = path.split("/")
+    if len(parts) != 4 or parts[0] != "media":
+        return None
+    digest = parts[3].split(".", 1)[0]
+    if not HASH_RE.match(digest) or parts[1] != digest[:2] or parts[2] != digest[2:4]:
+        return None
+    return digest
+
+
+def location(path: str) -> dict[str, Any]:
+    """``file``, ``run_id`` and ``step`` of a rollout file, as far as its path tells."""
+    try:
+        run_id, step = partition_of(path)
+    except MmstoreError:
+        return {"file": path, "run_id": None, "step": None}
+    return {"file": path, "run_id": run_id, "step": step}

@@ -1,0 +1,133 @@
+"""A snapshot of a store's committed rollout files, split into row-group work units.
+
+Only Parquet footers are read: a unit is (file, row group, row count), so any point of an
+epoch can be located without reading the data before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ._exceptions import MmstoreError
+from ._schema import check_schema_version
+
+if TYPE_CHECKING:
+    from ._store import Store
+
+# Columns the loader needs; `metadata` stays on disk.
+ROW_COLUMNS = [
+    "sample_id",
+    "group_id",
+    "tokens",
+    "prompt_len",
+    "loss_mask",
+    "logprobs",
+    "reward",
+    "advantage",
+    "images",
+]
+FINGERPRINT_LEAF = "images.list.element.layout_fingerprint"
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One row group of one committed file: the unit of sharding and seeking."""
+
+    file: str  # store-relative path
+    row_group: int
+    num_rows: int
+    run_id: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The committed files a dataset reads, frozen when it is built."""
+
+    files: tuple[str, ...]
+    units: tuple[WorkUnit, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+
+def partition_of(path: str) -> tuple[str, int]:
+    """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
+    parts = dict(p.split("=", 1) for p in path.split("/")[1:-1] if "=" in p)
+    try:
+        return parts["run_id"], int(parts["step"])
+    except (KeyError, ValueError):
+        raise MmstoreError("rollout file outside run_id=…/step=… partitions", file=path) from None
+
+
+def take_snapshot(
+    store: Store,
+    runs: Iterable[str] | None = None,
+    steps: Iterable[int] | range | None = None,
+    files: Sequence[str] | None = None,
+) -> Snapshot:
+    """Units of the committed files selected by run and step (or exactly ``files``)."""
+    if files is None:
+        run_set = None if runs is None else set(runs)
+        step_set = None if steps is None else set(steps)
+        files = []
+        for stat in store.rollout_files():
+            run_id, step = partition_of(stat.path)
+            if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
+                files.append(stat.path)
+    units: list[WorkUnit] = []
+    for path in files:
+        run_id, step = partition_of(path)
+        meta = read_footer(store, path)
+        units.extend(
+            WorkUnit(path, i, meta.row_group(i).num_rows, run_id, step)
+            for i in range(meta.num_row_groups)
+            if meta.row_group(i).num_rows
+        )
+    return Snapshot(tuple(files), tuple(units))
+
+
+def open_parquet(store: Store, path: str) -> pq.ParquetFile:
+    source = store.backend.fs.open_input_file(store.backend.abspath(path))
+    return pq.ParquetFile(source)
+
+
+def read_footer(store: Store, path: str) -> pq.FileMetaData:
+    try:
+        meta = open_parquet(store, path).metadata
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+    check_schema_version(meta.metadata, where=path)
+    return meta
+
+
+def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
+    """Every layout fingerprint in the snapshot -> the runs using it (one leaf column read)."""
+    found: dict[str, set[str]] = {}
+    for path in snapshot.files:
+        run_id, _ = partition_of(path)
+        column = open_parquet(store, path).read(columns=[FINGERPRINT_LEAF]).column("images")
+        flat = pa.compute.list_flatten(column)
+        for fp in pa.compute.unique(
+            pa.compute.struct_field(flat, "layout_fingerprint")
+        ).to_pylist():
+            found.setdefault(fp, set()).add(run_id)
+    return found
+
+
+def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
+    """The rows of ``units``, in order, as one table (only the loader's columns)."""
+    tables = []
+    handles: dict[str, Any] = {}
+    for unit in units:
+        handle = handles.get(unit.file) or handles.setdefault(
+            unit.file, open_parquet(store, unit.file)
+        )
+        tables.append(handle.read_row_group(unit.row_group, columns=ROW_COLUMNS))
+    return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})

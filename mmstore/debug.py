@@ -1,0 +1,463 @@
+"""Look at a store with polars, and draw one sample for people.
+
+``scan`` and ``images`` are lazy polars frames over the committed rollout files (never
+``_staging/``): filters on ``run_id``/``step`` prune whole files, projections read only the
+columns asked for. ``summary`` aggregates per run and step what a person checks first: how
+many samples and images, how well images dedup, bytes on disk against the bytes dense fp32
+``pixel_values`` would take, rewards, and media that has gone missing.
+
+``sample_view`` renders one sample as a PIL image (thumbnails of its images with their spans,
+and a strip of its tokens marking image spans, prompt vs completion and the loss mask); PIL
+images display inline in notebooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw, ImageFont
+
+from ._adapters import Layout, layout_for_fingerprint
+from ._backends import S3Backend
+from ._exceptions import MediaNotFoundError, MmstoreError
+from ._progress import bar
+from ._scan import partition_of
+from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
+
+if TYPE_CHECKING:
+    from ._backends import FileStat
+    from ._store import Store
+
+__all__ = [
+    "images",
+    "missing_media",
+    "sample",
+    "sample_view",
+    "scan",
+    "storage_options",
+    "summary",
+    "thumbnails",
+    "token_strip",
+]
+
+PARTITIONS = {"run_id": pl.String, "step": pl.Int32}
+IMAGE_COLUMNS = [
+    "uri",
+    "hash",
+    "width",
+    "height",
+    "nbytes",
+    "offset",
+    "length",
+    "family",
+    "layout_fingerprint",
+]
+SUMMARY_KEYS = ("run_id", "step")
+_ROW_SCHEMA = pl.Schema(pl.from_arrow(ROLLOUT_SCHEMA.empty_table()).schema)  # type: ignore[union-attr]
+FP32_BYTES = 4
+
+
+# -- frames ------------------------------------------------------------------------------
+
+
+def scan(store: Store) -> pl.LazyFrame:
+    """One row per committed rollout: ``run_id``, ``step`` (from the paths), then the columns.
+
+    The file list is taken now, so the frame is a snapshot: files committed later are not in it.
+    """
+    return _scan_files(store, store.rollout_files())
+
+
+def images(store: Store) -> pl.LazyFrame:
+    """One row per image ref: the sample it belongs to, its ``index`` in the row, the ref."""
+    return _explode_refs(scan(store))
+
+
+def missing_media(store: Store) -> pl.DataFrame:
+    """The image refs whose media file is absent (or unresolvable), with their samples."""
+    refs = images(store).collect()
+    sizes = _media_sizes(store, refs["uri"].unique().to_list())
+    return refs.filter(pl.col("uri").replace_strict(sizes, default=None).is_null())
+
+
+def summary(
+    store: Store, by: Sequence[str] = SUMMARY_KEYS, progress: bool | None = None
+) -> pl.DataFrame:
+    """Per ``by`` group (run and step by default; ``()`` for the whole store):
+
+    ``samples``, ``images`` (refs), ``unique_images`` (distinct hashes), ``dedup_ratio``
+    (images / unique_images), ``parquet_bytes``, ``media_bytes`` (each distinct file once),
+    ``disk_bytes`` (both), ``dense_fp32_bytes`` (the ``pixel_values`` a dense pipeline ships:
+    every ref, at the processor's resized grid; null where a layout is unknown),
+    ``reward_mean``, ``reward_std`` and ``missing_media`` (refs whose file is absent).
+    """
+    keys = list(by)
+    unknown = set(keys) - set(SUMMARY_KEYS)
+    if unknown:
+        raise ValueError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
+    files = store.rollout_files()  # one listing: every figure below is of the same files
+    scanned = _scan_files(store, files)
+    rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
+    refs = _ref_facts(store, scanned, files, progress)
+    parquet = pl.DataFrame(
+        [(*partition_of(f.path), f.size) for f in files],
+        schema={**PARTITIONS, "size": pl.Int64},
+        orient="row",
+    )
+    table = _aggregate(
+        rows,
+        keys,
+        pl.len().cast(pl.Int64).alias("samples"),
+        pl.col("reward").cast(pl.Float64).mean().alias("reward_mean"),
+        pl.col("reward").cast(pl.Float64).std().alias("reward_std"),
+    )
+    for part in (
+        _aggregate(
+            refs,
+            keys,
+            pl.len().cast(pl.Int64).alias("images"),
+            pl.col("hash").n_unique().cast(pl.Int64).alias("unique_images"),
+            pl.col("dense_bytes").sum().alias("dense_fp32_bytes"),
+            pl.col("dense_bytes").null_count().alias("unknown_layouts"),
+            pl.col("media_size").is_null().sum().cast(pl.Int64).alias("missing_media"),
+        ),
+        _aggregate(
+            refs.unique([*keys, "uri"]), keys, pl.col("media_size").sum().alias("media_bytes")
+        ),
+        _aggregate(parquet, keys, pl.col("size").sum().alias("parquet_bytes")),
+    ):
+        table = _join(table, part, keys)
+    counts = ["images", "unique_images", "missing_media", "media_bytes", "parquet_bytes"]
+    table = table.with_columns(pl.col(counts).fill_null(0).cast(pl.Int64)).with_columns(
+        dedup_ratio=pl.when(pl.col("unique_images") > 0).then(
+            pl.col("images") / pl.col("unique_images")
+        ),
+        disk_bytes=pl.col("media_bytes") + pl.col("parquet_bytes"),
+        dense_fp32_bytes=pl.when(pl.col("unknown_layouts").fill_null(0) == 0).then(
+            pl.col("dense_fp32_bytes").fill_null(0).cast(pl.Int64)
+        ),
+    )
+    columns = [
+        *keys,
+        "samples",
+        "images",
+        "unique_images",
+        "dedup_ratio",
+        "parquet_bytes",
+        "media_bytes",
+        "disk_bytes",
+        "dense_fp32_bytes",
+        "reward_mean",
+        "reward_std",
+        "missing_media",
+    ]
+    table = table.select(columns)
+    return table.sort(keys) if keys else table
+
+
+def storage_options(store: Store) -> dict[str, str] | None:
+    """polars (object_store) options equivalent to the store's pyarrow S3 options."""
+    if not isinstance(store.backend, S3Backend):
+        return None
+    opts = store.s3_options
+    endpoint = opts.get("endpoint_override") or os.environ.get(
+        "AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")
+    )
+    out: dict[str, str] = {}
+    if endpoint:
+        endpoint = str(endpoint)
+        if "://" not in endpoint:
+            endpoint = f"{opts.get('scheme', 'https')}://{endpoint}"
+        out["aws_endpoint_url"] = endpoint
+        if endpoint.startswith("http://"):
+            out["aws_allow_http"] = "true"
+    for ours, theirs in (
+        ("access_key", "aws_access_key_id"),
+        ("secret_key", "aws_secret_access_key"),
+        ("session_token", "aws_session_token"),
+        ("region", "aws_region"),
+    ):
+        if opts.get(ours):
+            out[theirs] = str(opts[ours])
+    return out
+
+
+# -- one sample --------------------------------------------------------------------------
+
+
+def sample(
+    store: Store, sample_id: str, *, run_id: str | None = None, step: int | None = None
+) -> dict[str, Any]:
+    """The row of one sample as a dict (with ``run_id`` and ``step``)."""
+    where = pl.col("sample_id") == sample_id
+    if run_id is not None:
+        where &= pl.col("run_id") == run_id
+    if step is not None:
+        where &= pl.col("step") == step
+    found = scan(store).filter(where).collect()
+    context = {"sample_id": sample_id, "run_id": run_id, "step": step}
+    if found.height == 0:
+        raise MmstoreError("no such sample in the store", **context)
+    if found.height > 1:
+        places = ", ".join(f"{r}/{s}" for r, s in found.select("run_id", "step").iter_rows())
+        raise MmstoreError(
+            f"sample id is in several run/step partitions ({places}); pass run_id and step",
+            **context,
+        )
+    return found.row(0, named=True)
+
+
+def sample_view(
+    store: Store,
+    sample_id: str,
+    *,
+    run_id: str | None = None,
+    step: int | None = None,
+    thumb: int = 192,
+) -> Image.Image:
+    """A header line, the thumbnails of the sample's images and its token strip, stacked."""
+    row = sample(store, sample_id, run_id=run_id, step=step)
+    n, prompt = len(row["tokens"]), row["prompt_len"]
+    header = (
+        f"run {row['run_id']}  step {row['step']}  sample {row['sample_id']}  "
+        f"group {row['group_id']}\n"
+        f"tokens {n} (prompt {prompt}, completion {n - prompt}, "
+        f"loss {sum(row['loss_mask'])})  images {len(row['images'])}  "
+        f"reward {_fmt(row['reward'])}  advantage {_fmt(row['advantage'])}"
+    )
+    parts = [_text_block(header), thumbnails(store, row, size=thumb), token_strip(row)]
+    width = max(p.width for p in parts)
+    out = Image.new("RGB", (width, sum(p.height for p in parts) + 8 * len(parts)), "white")
+    y = 0
+    for part in parts:
+        out.paste(part, (0, y))
+        y += part.height + 8
+    return out
+
+
+def thumbnails(store: Store, row: dict[str, Any], *, size: int = 192) -> Image.Image:
+    """The row's images side by side, each labelled with its index, size, hash and span.
+
+    Media that is missing or does not verify shows as a grey tile saying why.
+    """
+    refs = row["images"]
+    font = _font(12)
+    label_h = 34
+    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), size + label_h), "white")
+    draw = ImageDraw.Draw(tiles)
+    if not refs:
+        draw.text((4, 4), "(no images)", fill="gray", font=font)
+    for index, ref in enumerate(refs):
+        x = index * (size + 8)
+        try:
+            image = store.open_image(ref["uri"], ref["hash"])
+            image.thumbnail((size, size))
+            tiles.paste(image, (x + (size - image.width) // 2, (size - image.height) // 2))
+        except (MmstoreError, OSError) as exc:
+            reason = "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
+            draw.rectangle([x, 0, x + size - 1, size - 1], fill=(215, 215, 215))
+            left = x + (size - draw.textlength(reason, font=font)) // 2
+            draw.text((left, size // 2 - 8), reason, fill=(200, 0, 0), font=font)
+        draw.rectangle([x, 0, x + size - 1, size - 1], outline=(190, 190, 190))
+        end = ref["offset"] + ref["length"]
+        draw.text(
+            (x, size + 2),
+            f"#{index}  {ref['width']}x{ref['height']}  {ref['hash'][:10]}\n"
+            f"tokens [{ref['offset']}, {end})  len {ref['length']}",
+            fill="black",
+            font=font,
+        )
+    return tiles
+
+
+# Token strip colours: prompt text, completion text (in / out of the loss), image spans.
+PROMPT = (150, 180, 225)
+COMPLETION_LOSS = (60, 170, 75)
+COMPLETION_NO_LOSS = (200, 225, 200)
+IMAGE = ((245, 166, 35), (215, 110, 10))  # alternating, so adjacent images stay apart
+LOSS_MARK = (20, 20, 20)
+PROMPT_END = (220, 0, 0)
+LEGEND = (
+    (PROMPT, "prompt"),
+    (IMAGE[0], "image span (#index)"),
+    (COMPLETION_LOSS, "completion, in loss"),
+    (COMPLETION_NO_LOSS, "completion, not in loss"),
+    (LOSS_MARK, "bar below: loss mask"),
+    (PROMPT_END, "completion starts"),
+)
+
+
+def token_strip(row: dict[str, Any], *, columns: int = 128, cell: int = 7) -> Image.Image:
+    """Every token as a cell, ``columns`` to a line, coloured as the legend on top says:
+    prompt, image spans (labelled with the image index), completion in or out of the loss; a
+    black bar under each token in the loss mask, a red mark where the completion starts."""
+    tokens, mask, prompt_len = row["tokens"], row["loss_mask"], row["prompt_len"]
+    image_of = [-1] * len(tokens)
+    for index, ref in enumerate(row["images"]):
+        for i in range(ref["offset"], min(len(tokens), ref["offset"] + ref["length"])):
+            image_of[i] = index
+    font = _font(10)
+    legend = _legend(font)
+    label_h, cell_h, line_h = 11, 12, 11 + 12 + 8
+    lines = max(1, -(-len(tokens) // columns))
+    strip = Image.new(
+        "RGB", (max(columns * cell + 2, legend.width), legend.height + lines * line_h), "white"
+    )
+    strip.paste(legend, (0, 0))
+    draw = ImageDraw.Draw(strip)
+    for i in range(len(tokens)):
+        x = 1 + (i % columns) * cell
+        y = legend.height + (i // columns) * line_h + label_h
+        if image_of[i] >= 0:
+            colour = IMAGE[image_of[i] % 2]
+        elif i < prompt_len:
+            colour = PROMPT
+        else:
+            colour = COMPLETION_LOSS if mask[i] else COMPLETION_NO_LOSS
+        draw.rectangle([x, y, x + cell - 2, y + cell_h - 1], fill=colour)
+        if mask[i]:
+            draw.rectangle([x, y + cell_h + 1, x + cell - 1, y + cell_h + 3], fill=LOSS_MARK)
+        if i == prompt_len:
+            # In the white gap before the token, clear of the cells and the loss bars.
+            draw.rectangle([x - 1, y - 3, x - 1, y + cell_h], fill=PROMPT_END)
+        if image_of[i] >= 0 and (i == 0 or image_of[i - 1] != image_of[i]):
+            draw.text((x, y - label_h), f"#{image_of[i]}", fill="black", font=font)
+    return strip
+
+
+def _legend(font: ImageFont.FreeTypeFont | ImageFont.ImageFont) -> Image.Image:
+    legend = Image.new("RGB", (1200, 18), "white")
+    draw = ImageDraw.Draw(legend)
+    x = 2
+    for colour, label in LEGEND:
+        draw.rectangle([x, 4, x + 10, 14], fill=colour)
+        x += 14
+        draw.text((x, 3), label, fill="black", font=font)
+        x += int(draw.textlength(label, font=font)) + 14
+    return legend.crop((0, 0, x, 18))
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _scan_files(store: Store, files: Sequence[FileStat]) -> pl.LazyFrame:
+    if not files:
+        return pl.LazyFrame(schema={**PARTITIONS, **_ROW_SCHEMA})
+    frame = pl.scan_parquet(
+        [_source(store, f.path) for f in files],
+        # The schema is known: no file is opened to infer it, so pruned files stay unread.
+        schema=_ROW_SCHEMA,
+        hive_partitioning=True,
+        hive_schema=PARTITIONS,
+        storage_options=storage_options(store),
+    )
+    return frame.select(*PARTITIONS, *ROLLOUT_SCHEMA.names)
+
+
+def _explode_refs(rows: pl.LazyFrame) -> pl.LazyFrame:
+    refs = rows.select("run_id", "step", "sample_id", "group_id", "images")
+    return (
+        refs.with_columns(index=pl.int_ranges(pl.col("images").list.len(), dtype=pl.Int32))
+        .explode("images", "index")  # rows without images drop out
+        .unnest("images")
+        .select("run_id", "step", "sample_id", "group_id", "index", *IMAGE_COLUMNS)
+    )
+
+
+def _source(store: Store, rel: str) -> str:
+    path = store.backend.abspath(rel)
+    return f"s3://{path}" if isinstance(store.backend, S3Backend) else path
+
+
+def _ref_facts(
+    store: Store, scanned: pl.LazyFrame, files: Sequence[FileStat], progress: bool | None
+) -> pl.DataFrame:
+    """Every image ref with its media file size (null when absent) and dense fp32 bytes."""
+    refs = (
+        _explode_refs(scanned)
+        .select(*SUMMARY_KEYS, "uri", "hash", "width", "height", "layout_fingerprint")
+        .collect()
+    )
+    sizes = _media_sizes(store, refs["uri"].unique().to_list())
+    layouts = _file_layouts(store, [f.path for f in files], progress)
+    shapes = refs.select("layout_fingerprint", "width", "height").unique()
+    dense = shapes.with_columns(
+        dense_bytes=pl.Series(
+            [_dense_bytes(layouts, *key) for key in shapes.iter_rows()], dtype=pl.Int64
+        )
+    )
+    return refs.with_columns(
+        media_size=pl.col("uri").replace_strict(sizes, default=None, return_dtype=pl.Int64)
+    ).join(dense, on=["layout_fingerprint", "width", "height"], how="left")
+
+
+def _media_sizes(store: Store, uris: Iterable[str]) -> dict[str, int | None]:
+    """Size of each media file, None where it is absent or cannot be resolved.
+
+    Store media comes from one listing; the few absolute URIs are stat'ed one by one.
+    """
+    listed = {f.path: f.size for f in store.backend.list("media")}
+    sizes: dict[str, int | None] = {}
+    for uri in uris:
+        if "://" not in uri:
+            sizes[uri] = listed.get(uri)
+            continue
+        try:
+            stat = store.media_stat(uri)
+        except MmstoreError:  # untrusted: unresolvable counts as missing
+            stat = None
+        sizes[uri] = stat.size if stat else None
+    return sizes
+
+
+def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> dict[str, Layout]:
+    """Layouts recorded in the rollout files' key-value metadata (footers only)."""
+    layouts: dict[str, Layout] = {}
+    for rel in bar(paths, desc="reading footers", unit="file", progress=progress):
+        meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs).metadata
+        raw = (meta or {}).get(META_LAYOUTS)
+        for fingerprint, params in json.loads(raw or b"{}").items():
+            layouts.setdefault(fingerprint, Layout(**params))
+    return layouts
+
+
+def _dense_bytes(
+    layouts: dict[str, Layout], fingerprint: str, width: int, height: int
+) -> int | None:
+    layout = layouts.get(fingerprint) or layout_for_fingerprint(fingerprint)
+    if layout is None:
+        return None
+    patches, dim = layout.pixel_shape(width, height)
+    return patches * dim * FP32_BYTES
+
+
+def _aggregate(frame: pl.DataFrame, keys: list[str], *aggs: pl.Expr) -> pl.DataFrame:
+    return frame.group_by(keys).agg(*aggs) if keys else frame.select(*aggs)
+
+
+def _join(left: pl.DataFrame, right: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    if not keys:
+        return pl.concat([left, right], how="horizontal")
+    return left.join(right, on=keys, how="left")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    return ImageFont.load_default(size=size)
+
+
+def _text_block(text: str, font_size: int = 13) -> Image.Image:
+    font = _font(font_size)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    *_, right, bottom = probe.multiline_textbbox((0, 0), text, font=font)
+    block = Image.new("RGB", (int(right) + 8, int(bottom) + 6), "white")
+    ImageDraw.Draw(block).multiline_text((4, 2), text, fill="black", font=font)
+    return block

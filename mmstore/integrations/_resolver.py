@@ -1,0 +1,209 @@
+"""Server-side resolution of wire-form image refs into processor inputs, or a 400-ready error.
+
+A request names images by ref (``mmstore.wire``), never by pixels. Each ref is checked
+cheaply first (wire syntax, family, layout fingerprint, span length, URI trust), then
+materialized: verified read, safe decode, the real image processor, the processor's grid
+against the span. Any failure becomes ``{"error": "invalid_mm_image_ref", "index": i,
+"reason": ..., "detail": ...}`` for the first failing ref; nothing raises to the server.
+
+Materialized images are cached by ``(hash, fingerprint)``: the pixels depend only on the
+content and the layout, so a ref that passes its own checks may reuse pixels that another
+ref with the same hash paid for. The URI's trust is checked for every ref, hit or miss;
+its bytes are read (and verified) only on a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._adapters import adapter_for
+from .._exceptions import (
+    DecompressionBombError,
+    HashMismatchError,
+    ImageDecodeError,
+    ImageSizeError,
+    LayoutMismatchError,
+    MediaNotFoundError,
+    UntrustedURIError,
+    WireFormatError,
+)
+from .._models import ImageRef
+from .._store import Store
+from ..wire import decode
+from ._lru import SingleFlightLRU
+
+log = logging.getLogger(__name__)
+
+ERROR = "invalid_mm_image_ref"
+DEFAULT_CACHE_BYTES = 512 * 2**20
+DEFAULT_MAX_REFS = 64
+
+# Store and decode errors -> the reason a client sees. Order matters: subclasses first.
+_REASONS: tuple[tuple[type[Exception], str], ...] = (
+    (WireFormatError, "malformed_ref"),
+    (UntrustedURIError, "untrusted_uri"),
+    (MediaNotFoundError, "media_not_found"),
+    (HashMismatchError, "hash_mismatch"),
+    (DecompressionBombError, "image_too_large"),
+    (ImageDecodeError, "undecodable_image"),
+    (ImageSizeError, "unsupported_size"),
+    (LayoutMismatchError, "grid_mismatch"),
+)
+
+
+class RefRefused(Exception):
+    """One ref failed a check; carries the reason a client sees."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Materialized:
+    """One image through the processor: what the cache holds for ``(hash, fingerprint)``."""
+
+    pixel_values: np.ndarray  # (patches, channels*t*p*p) float32, read-only
+    grid_thw: tuple[int, int, int]
+    width: int
+    height: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixel_values.nbytes)
+
+
+class RefResolver:
+    """Resolves wire refs against ``store`` for one image processor; share one per server.
+
+    ``resolve(wire_refs)`` returns ``{"pixel_values": float32 ndarray (all patches, in ref
+    order), "image_grid_thw": int64 ndarray (n, 3), "hashes": [str, ...]}`` or the error
+    dict. Thread-safe; ``cache_bytes`` bounds the processed pixels kept (LRU).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        image_processor: Any,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        max_refs: int = DEFAULT_MAX_REFS,
+    ) -> None:
+        self.store = store
+        self.adapter = adapter_for(image_processor)
+        self.max_refs = max_refs
+        self._cache: SingleFlightLRU[tuple[str, str], Materialized] = SingleFlightLRU(
+            cache_bytes, sizeof=lambda m: m.nbytes
+        )
+
+    def stats(self) -> dict[str, int]:
+        return self._cache.stats()
+
+    def resolve(self, wire_refs: Any) -> dict[str, Any]:
+        if not isinstance(wire_refs, (list, tuple)):
+            return _error(None, "malformed_request", "image refs must be a list of strings")
+        if len(wire_refs) > self.max_refs:
+            return _error(
+                None, "too_many_refs", f"{len(wire_refs)} image refs exceed {self.max_refs}"
+            )
+        refs: list[ImageRef] = []
+        for index, text in enumerate(wire_refs):
+            try:
+                refs.append(self._admit(text))
+            except Exception as exc:
+                return _as_error(index, exc)
+        images: list[Materialized] = []
+        for index, ref in enumerate(refs):
+            try:
+                images.append(self._materialize(ref, index))
+            except Exception as exc:
+                return _as_error(index, exc)
+        return self._inputs(refs, images)
+
+    # -- checks that need no bytes -----------------------------------------------------
+
+    def _admit(self, text: Any) -> ImageRef:
+        ref = decode(text)
+        adapter = self.adapter
+        if ref.family != adapter.family:
+            raise RefRefused(
+                "family_mismatch", f"ref family {ref.family!r}, processor {adapter.family!r}"
+            )
+        if ref.layout_fingerprint != adapter.fingerprint:
+            raise RefRefused(
+                "fingerprint_mismatch",
+                f"ref laid out with {ref.layout_fingerprint!r}, this processor is "
+                f"{adapter.fingerprint!r}",
+            )
+        expected = adapter.num_tokens(ref.width, ref.height)
+        if ref.length != expected:
+            raise RefRefused(
+                "span_length_mismatch",
+                f"span of {ref.length} tokens, a {ref.width}x{ref.height} image lays out as "
+                f"{expected}",
+            )
+        self.store.resolve(ref.uri)  # trust, for every ref: a cache hit must not bypass it
+        return ref
+
+    # -- bytes -> pixels ---------------------------------------------------------------
+
+    def _materialize(self, ref: ImageRef, index: int) -> Materialized:
+        key = (ref.hash, self.adapter.fingerprint)
+        image = self._cache.get(key, lambda: self._process(ref))
+        if (image.width, image.height) != (ref.width, ref.height):
+            raise RefRefused(
+                "size_mismatch",
+                f"ref says {ref.width}x{ref.height}, the image is {image.width}x{image.height}",
+            )
+        self.adapter.check_grid(image.grid_thw, ref, sample_id=None, image_index=index)
+        return image
+
+    def _process(self, ref: ImageRef) -> Materialized:
+        pil = self.store.open_image(ref.uri, ref.hash)
+        out = self.adapter.process([pil])
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        pixels.flags.writeable = False  # shared by every request that hits this entry
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        return Materialized(pixels, (t, h, w), pil.width, pil.height)
+
+    def _inputs(self, refs: Sequence[ImageRef], images: Sequence[Materialized]) -> dict[str, Any]:
+        layout = self.adapter.layout
+        row = 3 * layout.temporal_patch_size * layout.patch_size**2
+        pixels = [m.pixel_values for m in images] or [np.zeros((0, row), np.float32)]
+        return {
+            "pixel_values": np.concatenate(pixels),
+            "image_grid_thw": np.array([m.grid_thw for m in images], np.int64).reshape(-1, 3),
+            "hashes": [ref.hash for ref in refs],
+        }
+
+
+def _as_error(index: int, exc: Exception) -> dict[str, Any]:
+    """The error dict a failed check becomes."""
+    if isinstance(exc, RefRefused):
+        return _error(index, exc.reason, exc.detail)
+    for kind, reason in _REASONS:
+        if isinstance(exc, kind):
+            return _error(index, reason, str(exc))
+    # A bug or an environment failure, not the client's ref: log it, still answer.
+    log.exception("resolving image ref %d failed unexpectedly", index)
+    return _error(index, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def _error(index: int | None, reason: str, detail: str) -> dict[str, Any]:
+    return {"error": ERROR, "index": index, "reason": reason, "detail": detail}
+
+
+def resolve_wire_refs(
+    store: Store, wire_refs: Any, image_processor: Any, *, cache_bytes: int = DEFAULT_CACHE_BYTES
+) -> dict[str, Any]:
+    """One-shot :class:`RefResolver`: refs repeated within the request are processed once.
+
+    A server should build one ``RefResolver`` and keep it, so its cache spans requests.
+    """
+    return RefResolver(store, image_processor, cache_bytes=cache_bytes).resolve(wire_refs)

@@ -1,0 +1,245 @@
+"""vLLM (and SGLang) requests from stored rollouts; a verified resolver for wire refs.
+
+Importable without vLLM: everything here builds plain dicts and never imports ``vllm``.
+
+Prompt format — vLLM >= 0.19.1 (the first release that installs beside transformers 5,
+which mmstore requires; pinned in the ``vllm`` extra). The keys follow
+``vllm.inputs.TokensPrompt`` — ``prompt_token_ids``, ``multi_modal_data``,
+``multi_modal_uuids`` (the last documented since v0.10.2, "Stable UUIDs for Caching") — and
+are unchanged from v0.10.2 through current main.
+
+Caching: vLLM uses a uuid as the item's cache key as given (``_hash_mm_items``) unless the
+request also carries ``mm_processor_kwargs``, in which case it hashes the uuid with them.
+
+Placeholders: vLLM expands image placeholders in *token* prompts itself. In
+``vllm/multimodal/processing`` (read at v0.12 and in main's ``processing/processor.py``:
+``BaseMultiModalProcessor._apply_hf_processor_main``) a
+token prompt goes through ``_apply_hf_processor_tokens_only`` (identity) and comes back
+with ``is_update_applied=False``, so ``_apply_prompt_updates`` runs; Qwen2-VL's
+``_get_prompt_updates`` is ``PromptReplacement(target=[<|image_pad|>], replacement=
+[<|image_pad|>] * (grid_thw.prod() // merge_size**2))``, applied to the first unmatched pad
+for each image. Handed an already-expanded span, vLLM would expand its first pad again and
+leave the rest as stray text tokens: silently wrong. So :func:`to_vllm_prompt` collapses
+each stored span back to one ``<|image_pad|>``; vLLM re-expands it to exactly the stored
+span when its processor's layout equals the store's (check ``RequestOutput.
+prompt_token_ids`` against ``rollout.tokens``).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+from PIL import Image
+
+from .._adapters import QWEN_VL_FAMILY
+from .._exceptions import InvalidRolloutError, MmstoreError
+from .._media import probe
+from .._models import ImageRef, Rollout
+from .._store import Store
+from ._resolver import (
+    DEFAULT_CACHE_BYTES,
+    Materialized,
+    RefRefused,
+    RefResolver,
+    resolve_wire_refs,
+)
+
+T = TypeVar("T")
+Size = tuple[int, int]
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "Materialized",
+    "RefRefused",
+    "RefResolver",
+    "resolve_wire_refs",
+    "to_prefill_request",
+    "to_vllm_prefill",
+    "to_vllm_prompt",
+]
+
+
+def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> dict[str, Any]:
+    """vLLM's token prompt for ``rollout.tokens[:upto]`` with its whole images.
+
+    ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [PIL RGB, ...]},
+    "multi_modal_uuids": {"image": [content hash, ...]}}``, one image and one uuid per span in
+    span order; the two multimodal keys are absent when the prefix holds no image. Each span
+    becomes one placeholder token (vLLM expands it, see the module notes). Images are decoded
+    from hash-verified bytes; the content hash as uuid lets vLLM's multimodal cache skip an
+    image it has processed. ``upto`` cutting inside a span is an :class:`InvalidRolloutError`.
+    """
+    tokens, refs = _prefix(rollout, upto)
+    prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout)}
+    if refs:
+        images = [_verified(store, rollout, i, ref, _decode) for i, ref in enumerate(refs)]
+        prompt["multi_modal_data"] = {"image": images}
+        prompt["multi_modal_uuids"] = {"image": [ref.hash for ref in refs]}
+    return prompt
+
+
+def to_prefill_request(
+    store: Store, rollout: Rollout, *, temperature: float = 1.0
+) -> dict[str, Any]:
+    """SGLang ``/generate`` payload that recomputes the logprobs of a stored rollout.
+
+    Mirrors miles (``miles/rollout/generate_utils/prefill_logprobs.py``): ``max_new_tokens=0``,
+    ``return_logprob``, ``logprob_start_len = prompt_len - 1`` so the returned
+    ``input_token_logprobs`` tail covers every response token. The stored tokens are already
+    expanded, so the request also sets ``mm_token_expansion_start_len = len(tokens)``: SGLang
+    leaves that prefix as is and only finds the images' offsets in it
+    (``expand_token_placeholders``: "Unchanged prefix length"); without it SGLang expands each
+    placeholder of the expanded sequence again. Images travel as ``data:`` URLs of their
+    verified stored bytes. Text-only rows omit the multimodal fields (older SGLang servers
+    refuse the unknown field).
+    """
+    n, prompt_len = len(rollout.tokens), rollout.prompt_len
+    if not 0 < prompt_len < n:
+        raise InvalidRolloutError(
+            f"prefill scoring needs a prompt and a response; prompt_len={prompt_len} of {n}",
+            sample_id=rollout.sample_id,
+        )
+    tokens, refs = _prefix(rollout, None)
+    _collapse(tokens, refs, rollout)  # the same span checks SGLang's offset search relies on
+    payload: dict[str, Any] = {
+        "input_ids": list(tokens),
+        "sampling_params": {
+            "max_new_tokens": 0,
+            "temperature": temperature,
+            "skip_special_tokens": False,
+        },
+        "return_logprob": True,
+        "logprob_start_len": prompt_len - 1,
+    }
+    if refs:
+        payload["image_data"] = [
+            _verified(store, rollout, i, ref, _data_url) for i, ref in enumerate(refs)
+        ]
+        payload["mm_token_expansion_start_len"] = n
+    return payload
+
+
+def to_vllm_prefill(store: Store, rollout: Rollout) -> dict[str, Any]:
+    """vLLM's equivalent of :func:`to_prefill_request`: ``{"prompt", "sampling_params"}``.
+
+    vLLM has no "already expanded" flag: the prompt carries one placeholder per image and vLLM
+    re-expands it (see the module notes). Pass ``SamplingParams(**sampling_params)``; then
+    ``output.prompt_token_ids == rollout.tokens`` and ``output.prompt_logprobs[prompt_len:]``
+    are the response tokens' logprobs.
+    """
+    return {
+        "prompt": to_vllm_prompt(store, rollout),
+        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
+    }
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _prefix(rollout: Rollout, upto: int | None) -> tuple[list[int], list[ImageRef]]:
+    """Tokens ``[:upto]`` and the images lying wholly inside them."""
+    n = len(rollout.tokens)
+    cut = n if upto is None else upto
+    if isinstance(cut, bool) or not isinstance(cut, int) or not 0 <= cut <= n:
+        raise InvalidRolloutError(
+            f"upto={upto!r} must be an int in [0, {n}]", sample_id=rollout.sample_id
+        )
+    kept: list[ImageRef] = []
+    for index, ref in enumerate(rollout.images):
+        end = ref.offset + ref.length
+        if end <= cut:
+            kept.append(ref)
+        elif ref.offset < cut:
+            raise InvalidRolloutError(
+                f"upto={cut} cuts image span [{ref.offset}, {end}); cut before or after it",
+                sample_id=rollout.sample_id,
+                image_index=index,
+            )
+    return rollout.tokens[:cut], kept
+
+
+def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout) -> list[int]:
+    """Each span -> its single placeholder token; refuse spans an engine would misread."""
+    sid = rollout.sample_id
+    ids = np.asarray(tokens, dtype=np.int64)
+    in_span = np.zeros(len(ids), dtype=bool)
+    out: list[int] = []
+    cursor = 0
+    for index, ref in enumerate(refs):
+        if ref.family != QWEN_VL_FAMILY:
+            raise InvalidRolloutError(
+                f"engine prompts are defined for the {QWEN_VL_FAMILY!r} layout, not {ref.family!r}",
+                sample_id=sid,
+                image_index=index,
+            )
+        end = ref.offset + ref.length
+        if ref.offset < cursor:
+            raise InvalidRolloutError(
+                f"span [{ref.offset}, {end}) overlaps or precedes the previous image",
+                sample_id=sid,
+                image_index=index,
+            )
+        span = ids[ref.offset : end]
+        if (span != span[0]).any():
+            raise InvalidRolloutError(
+                f"span [{ref.offset}, {end}) is not one repeated placeholder token",
+                sample_id=sid,
+                image_index=index,
+            )
+        out.extend(tokens[cursor : ref.offset])
+        out.append(int(span[0]))
+        in_span[ref.offset : end] = True
+        cursor = end
+    out.extend(tokens[cursor:])
+    # The engine binds images to placeholder tokens in order: one outside a span would
+    # take the next image's place.
+    placeholders = np.unique(ids[in_span])
+    stray = np.flatnonzero(~in_span & np.isin(ids, placeholders))
+    if stray.size:
+        raise InvalidRolloutError(
+            f"placeholder token {int(ids[stray[0]])} at position {int(stray[0])} lies outside "
+            "every image span",
+            sample_id=sid,
+        )
+    return out
+
+
+def _decode(store: Store, ref: ImageRef) -> tuple[Image.Image, Size]:
+    image = store.open_image(ref.uri, ref.hash)
+    return image, image.size
+
+
+def _data_url(store: Store, ref: ImageRef) -> tuple[str, Size]:
+    data = store.read_media(ref.uri, ref.hash)
+    fmt, width, height = probe(data, max_pixels=store.max_image_pixels, where=ref.uri)
+    mime = Image.MIME.get(fmt, "application/octet-stream")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}", (width, height)
+
+
+def _verified(
+    store: Store,
+    rollout: Rollout,
+    index: int,
+    ref: ImageRef,
+    load: Callable[[Store, ImageRef], tuple[T, Size]],
+) -> T:
+    """``load(store, ref)``'s value after checking the image has the size its span assumes;
+    store errors re-raised with the sample and image index added."""
+    try:
+        value, size = load(store, ref)
+    except MmstoreError as exc:
+        raise type(exc)(
+            exc.message, **{**exc.context, "sample_id": rollout.sample_id, "image_index": index}
+        ) from exc
+    if size != (ref.width, ref.height):
+        raise InvalidRolloutError(
+            f"image is {size[0]}x{size[1]} but the ref (and its span) says "
+            f"{ref.width}x{ref.height}",
+            sample_id=rollout.sample_id,
+            image_index=index,
+            uri=ref.uri,
+        )
+    return value

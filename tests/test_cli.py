@@ -1,0 +1,323 @@
+"""The ``mmstore`` command line.
+
+One subprocess per subcommand (and for a wrong path) runs it the way people and scripts do:
+exit status, stdout, a clean one-line stderr. The finer points of each command's output run
+in-process through ``main(argv)``, which is the same code without the interpreter start-up.
+The store is written in-process with known contents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import mmstore
+from mmstore._synth import screenshot
+from mmstore.cli import main
+
+
+def run_cli(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m mmstore.cli ARGS`` in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "mmstore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MMSTORE_PROGRESS": "0", **(env or {})},
+    )
+
+
+def call_cli(capsys, *args: object) -> subprocess.CompletedProcess[str]:
+    """The same command in-process; returns status and output in the same shape."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    """A clear one-line message on stderr, no traceback, the given exit status."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 or code == 2  # argparse prints its usage line first
+    for needle in needles:
+        assert needle in lines[-1]
+
+
+def make_rollout(adapter, sample_id, media, reward):
+    ids = [11, 12]
+    for _ in media:
+        ids += [13, adapter.image_token_id, 14]
+    tokens, refs = adapter.expand(ids, media)
+    return mmstore.Rollout(
+        sample_id=sample_id,
+        tokens=[*tokens, 100, 101, 102],
+        prompt_len=len(tokens),
+        loss_mask=[False] * len(tokens) + [True] * 3,
+        reward=reward,
+        images=refs,
+    )
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory, adapter):
+    """Rows per (run, step) and the media they share; the store's root."""
+    store = mmstore.Store.open(tmp_path_factory.mktemp("cli") / "store", create=True)
+    media = {
+        "A": store.put_image(screenshot(1, 160, 120)),
+        "B": store.put_image(screenshot(2, 200, 150)),
+        "C": store.put_image(screenshot(3, 120, 100)),
+    }
+    A, B, C = media["A"], media["B"], media["C"]
+    rows = {
+        ("r1", 0): [
+            make_rollout(adapter, "s0", [A, B], 1.0),
+            make_rollout(adapter, "s1", [A, B], 0.0),
+            make_rollout(adapter, "s2", [A], 1.0),
+        ],
+        ("r1", 1): [make_rollout(adapter, "s3", [B], 0.5), make_rollout(adapter, "s4", [], None)],
+        ("r2", 0): [make_rollout(adapter, "s5", [C], 1.0)],
+    }
+    for (run_id, step), rollouts in rows.items():
+        with store.writer(run_id=run_id, step=step) as w:
+            w.write_many(rollouts)
+    return {"root": Path(store.root), "media": media, "rows": rows}
+
+
+@pytest.fixture
+def copy(known, tmp_path) -> Path:
+    """A private copy of the known store, for commands that change it."""
+    shutil.copytree(known["root"], tmp_path / "store")
+    return tmp_path / "store"
+
+
+def test_inspect_lists_rollouts(known, capsys):
+    result = run_cli("inspect", known["root"])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for sample_id in ("s0", "s1", "s2", "s3", "s4", "s5"):
+        assert sample_id in result.stdout
+    assert "6 of 6 rollouts" in result.stdout
+    header = result.stdout.splitlines()[0].split()
+    assert header[:4] == ["run_id", "step", "sample_id", "group_id"]
+
+    result = call_cli(capsys, "inspect", known["root"], "--run", "r1", "--step", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert listing["total"] == 3
+    assert [r["sample_id"] for r in listing["rows"]] == ["s0", "s1", "s2"]
+    s0 = known["rows"]["r1", 0][0]
+    assert listing["rows"][0]["tokens"] == len(s0.tokens)
+    assert listing["rows"][0]["images"] == 2
+
+    result = call_cli(capsys, "inspect", known["root"], "--limit", "2")
+    assert "2 of 6 rollouts (--limit 0 shows all)" in result.stdout
+    assert_user_error(
+        call_cli(capsys, "inspect", known["root"], "--run", "r9"), 1, "no rollouts match --run r9"
+    )
+
+
+def test_inspect_one_sample_and_its_picture(known, tmp_path, capsys):
+    png = tmp_path / "s0.png"
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s0", "--view", png)
+    assert result.returncode == 0, result.stderr
+    s0 = known["rows"]["r1", 0][0]
+    first, second = s0.images
+    out = result.stdout
+    assert "sample s0  run r1  step 0" in out
+    assert f"image#0 [{first.offset},{first.offset + first.length})" in out
+    assert f"image#1 [{second.offset},{second.offset + second.length})" in out
+    assert f"completion [{s0.prompt_len},{len(s0.tokens)})" in out
+    assert first.hash in out and second.uri in out
+    with Image.open(png) as view:
+        assert view.width > 200 and view.height > 100
+
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s5", "--json")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout)
+    s5 = known["rows"]["r2", 0][0]
+    assert (row["run_id"], row["step"], row["tokens"]) == ("r2", 0, s5.tokens)
+    assert row["images"][0]["hash"] == known["media"]["C"].hash
+
+    assert_user_error(
+        call_cli(capsys, "inspect", known["root"], "--sample", "nope"), 1, "no such sample", "nope"
+    )
+
+
+def test_stats_table_and_json(known, capsys):
+    result = run_cli("stats", known["root"], "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    by_step = {(r["run_id"], r["step"]): r for r in stats["rows"]}
+    for key, rollouts in known["rows"].items():
+        hashes = [ref.hash for x in rollouts for ref in x.images]
+        assert by_step[key]["samples"] == len(rollouts)
+        assert by_step[key]["images"] == len(hashes)
+        assert by_step[key]["unique_images"] == len(set(hashes))
+    assert by_step["r1", 0]["dedup_ratio"] == 5 / 2  # A,B,A,B,A
+    assert stats["total"]["samples"] == 6 and stats["total"]["unique_images"] == 3
+    assert stats["total"]["missing_media"] == 0
+
+    result = call_cli(capsys, "stats", known["root"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:5] == ["run_id", "step", "samples", "images", "unique_images"]
+    assert [line.split()[:3] for line in lines[1:4]] == [
+        ["r1", "0", "3"],
+        ["r1", "1", "2"],
+        ["r2", "0", "1"],
+    ]
+    assert "whole store" in result.stdout and "KiB" in result.stdout
+
+
+def test_wrong_path_and_non_store_directory(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "store"
+    assert_user_error(run_cli("stats", missing), 1, "no mmstore store", str(missing))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("not a store")
+    for command in ("inspect", "stats", "verify", "gc"):
+        assert_user_error(call_cli(capsys, command, plain), 1, "no mmstore store", str(plain))
+
+
+def test_usage_errors_exit_2(known, tmp_path, capsys):
+    for args in (
+        ["export", known["root"], tmp_path / "d", "--steps", "3:x"],
+        ["gc", known["root"], "--grace", "-1"],
+        ["inspect"],
+        ["inspect", known["root"], "--view", tmp_path / "v.png"],
+        [],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(a) for a in args])
+        assert exit_.value.code == 2
+    assert "3:x" in capsys.readouterr().err
+
+
+def test_verify_names_a_corrupted_media_file(copy, known, capsys):
+    result = call_cli(capsys, "verify", copy)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+    corrupted = known["media"]["B"].uri
+    data = bytearray((copy / corrupted).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    (copy / corrupted).write_bytes(bytes(data))
+
+    result = run_cli("verify", copy)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert corrupted in result.stdout and "hash_mismatch" in result.stdout
+    assert result.stdout.strip().endswith("3 problem(s)")
+
+    result = call_cli(capsys, "verify", copy, "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    assert {p["uri"] for p in report["problems"]} == {corrupted}
+    assert {p["kind"] for p in report["problems"]} == {"hash_mismatch"}
+    # B is in s0, s1 (r1/0) and s3 (r1/1): every sample that holds it is named.
+    assert {p["sample_id"] for p in report["problems"]} == {"s0", "s1", "s3"}
+
+    # Presence and sizes only: the same-size corruption goes unnoticed, by design.
+    assert call_cli(capsys, "verify", copy, "--no-hash").returncode == 0
+
+
+def test_gc_dry_run_then_delete(copy, known, capsys):
+    store = mmstore.Store.open(copy)
+    orphan = store.put_image(screenshot(99, 100, 90))  # referenced by nothing
+    result = run_cli("gc", copy, "--grace", "0", "--dry-run", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["dry_run"] is True and report["deleted"] == [orphan.uri]
+    assert (copy / orphan.uri).exists()
+
+    result = call_cli(capsys, "gc", copy, "--grace", "3600")
+    assert result.returncode == 0, result.stderr
+    assert "deleted 0 media files" in result.stdout  # the orphan is younger than an hour
+    result = call_cli(capsys, "gc", copy, "--grace", "0")
+    assert result.returncode == 0, result.stderr
+    assert f"deleted {orphan.uri}" in result.stdout
+    assert not (copy / orphan.uri).exists()
+    assert all((copy / m.uri).exists() for m in known["media"].values())
+
+
+def test_export_a_step_range(known, tmp_path, capsys):
+    dest = tmp_path / "dump"
+    result = run_cli("export", known["root"], dest, "--run", "r1", "--steps", "1:2", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rows"] == 2 and summary["rollout_files"] == 1
+    exported = mmstore.Store.open(dest)
+    assert sorted(mmstore.debug.scan(exported).collect()["sample_id"]) == ["s3", "s4"]
+    # Exactly the media those rows reference: B.
+    media = sorted(p.name for p in (dest / "media").rglob("*.*"))
+    assert media == [Path(known["media"]["B"].uri).name]
+    # A second export into the now non-empty destination is refused, cleanly.
+    assert_user_error(call_cli(capsys, "export", known["root"], dest), 1, str(dest))
+
+
+def test_release_a_run(copy, known, capsys):
+    result = call_cli(capsys, "release", copy, "r2", "--grace", "0", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert (copy / "rollouts" / "run_id=r2").exists()
+    assert "would remove rollouts/run_id=r2/step=0/" in result.stdout
+
+    result = run_cli("release", copy, "r2", "--grace", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    only_r2 = known["media"]["C"].uri
+    assert report["gc"]["deleted"] == [only_r2]
+    assert not (copy / "rollouts" / "run_id=r2").exists()
+    assert not (copy / only_r2).exists()
+    assert (copy / known["media"]["A"].uri).exists()  # still referenced by r1
+
+
+def test_s3_store_through_environment(s3_store, s3_options, adapter, capsys, monkeypatch):
+    media = s3_store.put_image(screenshot(5, 160, 120))
+    with s3_store.writer(run_id="r", step=0) as w:
+        w.write(make_rollout(adapter, "x", [media], 1.0))
+    # A person at a shell has only the environment to point the command at a server.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_options['endpoint_override']}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    result = call_cli(capsys, "stats", s3_store.root, "--json")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    assert (row["run_id"], row["samples"], row["images"]) == ("r", 1, 1)
+    assert row["media_bytes"] == media.nbytes
+
+
+def test_demo_runs(tmp_path):
+    root = tmp_path / "demo"
+    result = run_cli(
+        "demo",
+        "--root",
+        root,
+        "--groups",
+        "1",
+        "--group-size",
+        "2",
+        "--turns",
+        "1",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--num-workers",
+        "0",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rows"] == 2 and summary["samples_read"] == 2
+    assert mmstore.debug.scan(mmstore.Store.open(root)).collect().height == 2

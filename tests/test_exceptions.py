@@ -1,0 +1,95 @@
+"""The error tree: every error is an MmstoreError, catchable as the built-in a caller expects,
+carries its context as attributes, and survives pickling (DataLoader workers)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+
+import mmstore
+from mmstore import _exceptions
+
+# (error, the built-in a caller would catch): DESIGN.md's names first, then the rest.
+TREE = [
+    (mmstore.InvalidRolloutError, ValueError),
+    (mmstore.HashMismatchError, ValueError),
+    (mmstore.MediaNotFoundError, FileNotFoundError),
+    (mmstore.UntrustedURIError, PermissionError),
+    (mmstore.LayoutMismatchError, ValueError),
+    (mmstore.SchemaVersionError, ValueError),
+    (mmstore.WireFormatError, ValueError),
+    (mmstore.UnsupportedProcessorError, TypeError),
+    (mmstore.ImageSizeError, ValueError),
+    (mmstore.NotAStoreError, FileNotFoundError),
+    (mmstore.ImageDecodeError, ValueError),
+    (mmstore.DecompressionBombError, ValueError),
+]
+
+ALL_ERRORS = [
+    obj
+    for obj in vars(_exceptions).values()
+    if inspect.isclass(obj) and issubclass(obj, mmstore.MmstoreError)
+]
+
+
+@pytest.mark.parametrize(("error", "builtin"), TREE, ids=[e.__name__ for e, _ in TREE])
+def test_error_is_an_mmstore_error_and_its_builtin(error, builtin):
+    err = error("boom", sample_id="s1")
+    assert isinstance(err, mmstore.MmstoreError)
+    assert isinstance(err, builtin)
+    with pytest.raises(builtin):
+        raise err
+
+
+def test_media_errors_share_a_parent():
+    assert issubclass(mmstore.MediaNotFoundError, mmstore.MediaError)
+    assert issubclass(mmstore.HashMismatchError, mmstore.MediaError)
+    assert issubclass(mmstore.DecompressionBombError, mmstore.ImageDecodeError)
+
+
+def test_every_error_is_drawn_in_the_docstring_and_exported():
+    doc = _exceptions.__doc__ or ""
+    for error in ALL_ERRORS:
+        assert error.__name__ in doc, f"{error.__name__} missing from the drawn tree"
+        assert error.__name__ in mmstore.__all__
+        assert getattr(mmstore, error.__name__) is error
+    assert {e for e, _ in TREE} | {mmstore.MmstoreError, mmstore.MediaError} == set(ALL_ERRORS)
+
+
+def test_context_is_in_the_message_and_readable_as_attributes():
+    err = mmstore.InvalidRolloutError(
+        "span overlaps", sample_id="g0-01", image_index=2, run_id="r1", file=None
+    )
+    assert err.sample_id == "g0-01"
+    assert err.image_index == 2
+    assert err.run_id == "r1"
+    assert err.message == "span overlaps"
+    assert err.context == {"sample_id": "g0-01", "image_index": 2, "run_id": "r1"}
+    text = str(err)
+    assert text.startswith("span overlaps")
+    assert "sample_id='g0-01'" in text and "image_index=2" in text and "run_id='r1'" in text
+    # None-valued context is dropped, and absent context is an ordinary AttributeError.
+    assert "file" not in text
+    with pytest.raises(AttributeError):
+        _ = err.file
+    assert not hasattr(err, "uri")
+
+
+def test_without_context_the_message_is_plain():
+    err = mmstore.MmstoreError("plain")
+    assert str(err) == "plain"
+    assert err.context == {}
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=[e.__name__ for e in ALL_ERRORS])
+def test_pickling_keeps_type_message_and_context(error):
+    err = error("it broke", file="rollouts/x.parquet", sample_id="s", image_index=0)
+    for clone in (pickle.loads(pickle.dumps(err)), copy.copy(err), copy.deepcopy(err)):
+        assert type(clone) is error
+        assert str(clone) == str(err)
+        assert clone.message == "it broke"
+        assert clone.context == err.context
+        assert clone.image_index == 0

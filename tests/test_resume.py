@@ -1,0 +1,135 @@
+"""Exact resume: every stateful stage and the loader through one harness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmstore
+from mmstore import _dataset
+from mmstore._synth import grpo_rollouts
+from tests.resume_harness import check_resume
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory, small_processor):
+    """3 steps of GRPO groups with uneven row groups (sizes 5), so windows are ragged."""
+    store = mmstore.Store.open(tmp_path_factory.mktemp("resume") / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    for step in range(3):
+        with store.writer(run_id="r", step=step, row_group_size=5) as w:
+            for r in grpo_rollouts(
+                store,
+                adapter,
+                groups=3,
+                group_size=3 + step,
+                images_per_sample=1,
+                image_size=(160, 120),
+                seed=step,
+            ):
+                w.write(r)
+    return store
+
+
+def dataset(store, processor, **kw):
+    kw.setdefault("seed", 11)
+    kw.setdefault("window_units", 2)
+    return mmstore.RolloutDataset(store, processor, dtype=torch.float32, **kw)
+
+
+def batch_key(batch):
+    return tuple(batch["sample_ids"])
+
+
+def test_dataset_samples_resume(filled, small_processor):
+    ref = check_resume(
+        lambda: dataset(filled, small_processor),
+        key=lambda s: s.sample_id,
+        cuts=range(0, 36, 3),
+    )
+    assert len(ref) == 3 * 3 + 3 * 4 + 3 * 5
+
+
+def test_batch_stream_resumes(filled, small_processor):
+    ds = dataset(filled, small_processor)
+
+    def make():
+        return _dataset._BatchStream(
+            ds, epoch=2, start=0, batch_size=4, drop_last=False, dummy_image=False, pad_token_id=0
+        )
+
+    check_resume(make, key=batch_key, cuts=range(0, 8))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_loader_resumes_at_every_cut(filled, small_processor, world):
+    for rank in range(world):
+
+        def make(rank=rank):
+            ds = dataset(filled, small_processor, rank=rank, world_size=world)
+            loader = mmstore.RolloutLoader(ds, batch_size=3)
+            loader.set_epoch(1)
+            return loader
+
+        batches = len(make())
+        check_resume(make, key=batch_key, cuts=range(0, batches + 1))
+
+
+def test_loader_resumes_with_other_worker_counts(filled, small_processor):
+    def make(workers):
+        def build():
+            loader = mmstore.RolloutLoader(
+                dataset(filled, small_processor), batch_size=4, num_workers=workers
+            )
+            loader.set_epoch(3)
+            return loader
+
+        return build
+
+    for before, after in [(0, 2), (2, 1), (1, 0)]:
+        check_resume(make(before), key=batch_key, cuts=[1, 4], make_resumed=make(after))
+
+
+def test_state_pins_the_snapshot(filled, small_processor, tmp_path):
+    """Files committed after the state was taken do not change the resumed epoch."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(filled.backend.abspath(""), copy)
+    store = mmstore.Store.open(copy)
+    loader = mmstore.RolloutLoader(dataset(store, small_processor), batch_size=4)
+    reference = [batch_key(b) for b in loader]
+    loader = mmstore.RolloutLoader(dataset(store, small_processor), batch_size=4)
+    head = [batch_key(b) for _, b in zip(range(3), loader, strict=False)]
+    state = loader.state_dict()
+    adapter = mmstore.adapter_for(small_processor)
+    with store.writer(run_id="r", step=9) as w:
+        for r in grpo_rollouts(store, adapter, groups=2, image_size=(160, 120), seed=9):
+            w.write(r)
+    resumed = mmstore.RolloutLoader(dataset(store, small_processor), batch_size=4)
+    resumed.load_state_dict(state)
+    assert head + [batch_key(b) for b in resumed] == reference
+
+
+def test_seek_reads_no_window_before_the_cut(filled, small_processor, monkeypatch):
+    loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=2)
+    plan = loader.dataset.plan(0)
+    cut = 10  # batches; samples 20.. lie in a later window
+    first_window = plan.window_of(cut * 2)
+    assert first_window > 0
+    read = []
+    real = _dataset.read_units
+    monkeypatch.setattr(
+        _dataset, "read_units", lambda store, units: read.append(units) or real(store, units)
+    )
+    loader.load_state_dict({**loader.state_dict(), "batches_yielded": cut})
+    next(iter(loader))
+    assert read[0] == plan.windows[first_window]
+
+
+def test_state_from_other_settings_is_refused(filled, small_processor):
+    loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
+    state = loader.state_dict()
+    other = mmstore.RolloutLoader(dataset(filled, small_processor, seed=12), batch_size=4)
+    with pytest.raises(mmstore.MmstoreError, match="seed"):
+        other.load_state_dict(state)

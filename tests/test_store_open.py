@@ -1,0 +1,127 @@
+"""Store.open: local directories and S3 prefixes, the manifest, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pyarrow.fs as pafs
+import pytest
+
+import mmstore
+from mmstore._backends import s3_filesystem
+from mmstore._store import FORMAT_VERSION, MANIFEST
+
+
+def test_create_writes_a_manifest_and_reopens(tmp_path):
+    root = tmp_path / "new" / "store"
+    store = mmstore.Store.open(root, create=True)
+    assert store.root == str(root)
+    manifest = json.loads((root / MANIFEST).read_text())
+    assert manifest["format_version"] == FORMAT_VERSION == 1
+    assert manifest["hash_algorithm"] == "xxh3-128"
+    again = mmstore.Store.open(str(root))
+    assert again.manifest == manifest
+    # create=True on an existing store opens it; the manifest is not rewritten.
+    assert mmstore.Store.open(root, create=True).manifest["created"] == manifest["created"]
+    assert mmstore.Store.open(f"file://{root}").manifest == manifest
+
+
+def test_missing_store_needs_create(tmp_path):
+    with pytest.raises(mmstore.NotAStoreError, match="create=True") as err:
+        mmstore.Store.open(tmp_path / "nowhere")
+    assert isinstance(err.value, FileNotFoundError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(mmstore.NotAStoreError):
+        mmstore.Store.open(tmp_path / "empty")
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_create_refuses_a_directory_holding_other_files(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(mmstore.NotAStoreError, match="refusing"):
+        mmstore.Store.open(tmp_path / "data", create=True)
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(mmstore.NotAStoreError):
+        mmstore.Store.open(tmp_path / "file", create=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("format_version", 2), ("format_version", None), ("hash_algorithm", "md5")]
+)
+def test_unknown_manifest_is_refused(tmp_path, key, value):
+    root = tmp_path / "store"
+    mmstore.Store.open(root, create=True)
+    manifest = json.loads((root / MANIFEST).read_text())
+    (root / MANIFEST).write_text(json.dumps({**manifest, key: value}))
+    with pytest.raises(mmstore.SchemaVersionError, match=str(value)):
+        mmstore.Store.open(root)
+
+
+def test_manifest_that_is_not_json_is_not_a_store(tmp_path):
+    (tmp_path / MANIFEST).write_text("{not json")
+    with pytest.raises(mmstore.NotAStoreError, match="not JSON"):
+        mmstore.Store.open(tmp_path)
+
+
+def test_unsupported_location_scheme(tmp_path):
+    with pytest.raises(mmstore.NotAStoreError, match="scheme"):
+        mmstore.Store.open("http://example.com/store", create=True)
+
+
+# -- S3 ------------------------------------------------------------------------------------
+
+
+def _bucket(s3_options) -> str:
+    bucket = f"mm-{uuid.uuid4().hex[:12]}"
+    pafs.S3FileSystem(**s3_options).create_dir(bucket)
+    return bucket
+
+
+def test_s3_create_reopen_and_refusals(s3_options):
+    bucket = _bucket(s3_options)
+    fs = s3_filesystem(s3_options)  # one PutObject per small object, as the store writes
+    root = f"s3://{bucket}/runs/store"
+    with pytest.raises(mmstore.NotAStoreError):
+        mmstore.Store.open(root, s3_options=s3_options)
+    store = mmstore.Store.open(root, create=True, s3_options=s3_options)
+    assert store.root == root
+    with fs.open_input_stream(f"{bucket}/runs/store/{MANIFEST}") as f:
+        manifest = json.loads(f.read())
+    assert manifest["format_version"] == 1
+    assert mmstore.Store.open(root, s3_options=s3_options).manifest == manifest
+
+    with fs.open_output_stream(f"{bucket}/other/data.bin") as f:
+        f.write(b"someone else's")
+    with pytest.raises(mmstore.NotAStoreError, match="refusing"):
+        mmstore.Store.open(f"s3://{bucket}/other", create=True, s3_options=s3_options)
+
+    with fs.open_output_stream(f"{bucket}/runs/store/{MANIFEST}") as f:
+        f.write(json.dumps({**manifest, "format_version": 99}).encode())
+    with pytest.raises(mmstore.SchemaVersionError):
+        mmstore.Store.open(root, s3_options=s3_options)
+
+
+def test_s3_endpoint_and_credentials_from_the_environment(s3_options, s3_endpoint, monkeypatch):
+    bucket = _bucket(s3_options)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    store = mmstore.Store.open(f"s3://{bucket}/store", create=True)  # no s3_options
+    media = store.put_media(_png())
+    assert store.read_media(media.uri, media.hash) == _png()
+    # Explicit options win over the environment.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    reopened = mmstore.Store.open(f"s3://{bucket}/store", s3_options=s3_options)
+    assert reopened.read_media(media.uri, media.hash) == _png()
+
+
+def _png() -> bytes:
+    from tests.store_workers import image_bytes
+
+    return image_bytes(3)
