@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check mmstore tests benchmarks
-	$(BIN)/ruff format --check mmstore tests benchmarks
+	$(BIN)/ruff check mmstore tests benchmarks scripts
+	$(BIN)/ruff format --check mmstore tests benchmarks scripts
 	$(BIN)/mypy
 
 test: lint
