@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -67,3 +69,14 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def cli(run: Callable[..., dict[str, Any]], doc: str | None, reps: int = 3) -> dict[str, Any]:
+    """``python -m benchmarks.NAME [--scale S] [--reps N]``: run and print the JSON."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=reps)
+    args = parser.parse_args()
+    result = run(args.scale, args.reps)
+    print(json.dumps(result, indent=2))
+    return result

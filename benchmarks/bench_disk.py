@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 from typing import Any
 
@@ -19,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import mmstore
-from benchmarks._common import WORKLOADS, processor, write_workload
+from benchmarks._common import WORKLOADS, cli, processor, write_workload
 
 
 def measure(store: mmstore.Store) -> dict[str, Any]:
@@ -61,11 +59,5 @@ def run(scale: float = 1.0, reps: int = 1) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    print(json.dumps(run(parser.parse_args().scale), indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, reps=1)

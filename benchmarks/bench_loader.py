@@ -15,8 +15,6 @@ per sample, nothing shared). Measured in one run, interleaved, several repetitio
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -28,7 +26,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import mmstore
-from benchmarks._common import WORKLOADS, interleaved, processor, timed
+from benchmarks._common import WORKLOADS, cli, interleaved, processor, timed
 from mmstore._synth import grpo_rollouts
 
 BATCH = 8
@@ -183,13 +181,5 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps(run(args.scale, args.reps), indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, reps=3)

@@ -9,16 +9,14 @@ discard the batches already seen), measured in the same run on the same store.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import tempfile
 from typing import Any
 
 import torch
 
 import mmstore
-from benchmarks._common import interleaved, processor, timed, write_workload
+from benchmarks._common import cli, interleaved, processor, timed, write_workload
 
 BATCH = 8
 CUTS = (0.1, 0.5, 0.9)
@@ -63,13 +61,5 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps(run(args.scale, args.reps), indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, reps=3)

@@ -8,14 +8,12 @@ first: ids, rewards, prompt length, the image hashes), with the partition column
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 from typing import Any
 
 import pyarrow.dataset as pads
 
-from benchmarks._common import interleaved, timed, write_workload
+from benchmarks._common import cli, interleaved, timed, write_workload
 from mmstore import debug
 
 COLUMNS = ["sample_id", "group_id", "reward", "advantage", "prompt_len"]
@@ -62,13 +60,5 @@ def run(scale: float = 1.0, reps: int = 5) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    print(json.dumps(run(args.scale, args.reps), indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, reps=5)

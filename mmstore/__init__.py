@@ -5,15 +5,19 @@ from typing import TYPE_CHECKING, Any
 from . import debug, wire
 from ._adapters import Layout, QwenVLAdapter, adapter_for
 from ._exceptions import (
+    CorruptFileError,
     DecompressionBombError,
+    DestinationExistsError,
     HashMismatchError,
     ImageDecodeError,
     ImageSizeError,
+    InvalidArgumentError,
     InvalidRolloutError,
     LayoutMismatchError,
     MediaError,
     MediaNotFoundError,
     MmstoreError,
+    NoMatchError,
     NotAStoreError,
     SchemaVersionError,
     UnsupportedProcessorError,
@@ -51,6 +55,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CorruptFileError",
+    "DestinationExistsError",
+    "InvalidArgumentError",
+    "NoMatchError",
     "ROLLOUT_SCHEMA",
     "SCHEMA_VERSION",
     "DecompressionBombError",

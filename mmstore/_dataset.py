@@ -18,8 +18,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._adapters import adapter_for
 from ._collate import QWEN_PAD_TOKEN_ID, collate
-from ._exceptions import LayoutMismatchError, MmstoreError
-from ._materialize import DEFAULT_CACHE_BYTES, Materializer, MissingPolicy, Sample
+from ._exceptions import InvalidArgumentError, LayoutMismatchError
+from ._materialize import (
+    DEFAULT_CACHE_BYTES,
+    Materializer,
+    MissingPolicy,
+    Sample,
+    check_missing_policy,
+)
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
 from ._scan import Snapshot, fingerprints_by_run, read_units, take_snapshot
 from ._store import Store
@@ -52,8 +58,7 @@ class RolloutDataset(IterableDataset[Sample]):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         window_units: int = DEFAULT_WINDOW_UNITS,
     ) -> None:
-        if missing not in ("error", "placeholder_zero_loss"):
-            raise ValueError(f"missing must be 'error' or 'placeholder_zero_loss', got {missing!r}")
+        check_missing_policy(missing)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         self.store = store
@@ -307,12 +312,10 @@ class RolloutLoader:
         if self.batches_yielded >= total:
             self.set_epoch(self.epoch + 1)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _order_settings(self) -> dict[str, Any]:
+        """Everything besides the snapshot that decides which batch comes when."""
         ds = self.dataset
         return {
-            "version": STATE_VERSION,
-            "epoch": self.epoch,
-            "batches_yielded": self.batches_yielded,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "seed": ds.seed,
@@ -320,30 +323,31 @@ class RolloutLoader:
             "rank": ds.rank,
             "world_size": ds.world_size,
             "window_units": ds.window_units,
-            "files": list(ds.snapshot.files),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches_yielded": self.batches_yielded,
+            **self._order_settings(),
+            "files": list(self.dataset.snapshot.files),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was taken (any ``num_workers``)."""
         if state.get("version") != STATE_VERSION:
-            raise MmstoreError(f"loader state version {state.get('version')!r} is not supported")
-        ds = self.dataset
-        fixed = {
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "seed": ds.seed,
-            "shuffle": ds.shuffle,
-            "rank": ds.rank,
-            "world_size": ds.world_size,
-            "window_units": ds.window_units,
-        }
+            raise InvalidArgumentError(
+                f"loader state version {state.get('version')!r} is not supported"
+            )
+        fixed = self._order_settings()
         differ = {k: (state.get(k), v) for k, v in fixed.items() if state.get(k) != v}
         if differ:
-            raise MmstoreError(
+            raise InvalidArgumentError(
                 "loader state was taken with other settings (saved, current): "
                 + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
             )
-        ds.use_snapshot(state["files"])
+        self.dataset.use_snapshot(state["files"])
         self.set_epoch(int(state["epoch"]))
         self.batches_yielded = int(state["batches_yielded"])
 

@@ -11,6 +11,10 @@
     ├── ImageSizeError             (ValueError)      a size the family's layout cannot represent
     ├── NotAStoreError             (FileNotFoundError) opened a directory that holds no manifest
     ├── UntrustedURIError          (PermissionError) a URI outside the store and trusted roots
+    ├── InvalidArgumentError       (ValueError)      a malformed or out-of-range argument
+    ├── CorruptFileError           (ValueError)      a committed rollout or pin file that won't read
+    ├── NoMatchError               (LookupError)     nothing matches a selection, id or name
+    ├── DestinationExistsError     (FileExistsError) an export into a location holding data
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
     └── MediaError                                   media bytes cannot be served as requested
@@ -81,6 +85,22 @@ class NotAStoreError(MmstoreError, FileNotFoundError):
 
 class UntrustedURIError(MmstoreError, PermissionError):
     """A media URI that resolves outside the store and every trusted root."""
+
+
+class InvalidArgumentError(MmstoreError, ValueError):
+    """A caller's argument is malformed or out of range (pin name, grace, selection, state)."""
+
+
+class CorruptFileError(MmstoreError, ValueError):
+    """A committed rollout or pin file that cannot be read."""
+
+
+class NoMatchError(MmstoreError, LookupError):
+    """Nothing in the store matches a selection, sample id or pin name."""
+
+
+class DestinationExistsError(MmstoreError, FileExistsError):
+    """An export destination that already holds a store or other files."""
 
 
 class ImageDecodeError(MmstoreError, ValueError):

@@ -23,13 +23,19 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import HashMismatchError, MmstoreError, NotAStoreError
-from ._media import EXTENSIONS, FORMAT_EXTENSIONS, content_hash, media_path, probe
+from ._exceptions import (
+    DestinationExistsError,
+    HashMismatchError,
+    MmstoreError,
+    NoMatchError,
+    NotAStoreError,
+)
+from ._media import FORMAT_EXTENSIONS, content_hash, media_path, probe
+from ._progress import bar
 from ._refscan import (
     flatten_refs,
     location,
     open_rollout_file,
-    progress_bar,
     read_ref_columns,
     select_files,
 )
@@ -58,16 +64,18 @@ def export(
     (default: the source store's)."""
     files = [f.path for f in select_files(store, runs, steps)]
     if not files:
-        raise MmstoreError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
+        raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
     media: dict[MediaKey, dict[str, Any]] = {}  # each media key -> where it is first used
     for path in files:
         _collect_refs(store, path, media)
     target = _create_empty(os.fspath(dest), store.s3_options if s3_options is None else s3_options)
     with ThreadPoolExecutor(COPY_THREADS) as pool:
         jobs = pool.map(lambda item: _copy_media(store, target, *item), media.items())
-        renamed = dict(progress_bar(jobs, progress, total=len(media), desc="export: media"))
+        renamed = dict(
+            bar(jobs, total=len(media), desc="export: media", unit="file", progress=progress)
+        )
     external = {uri: rel for (uri, _), rel in renamed.items() if uri != rel}
-    for path in progress_bar(files, progress, desc="export: rows", unit="file"):
+    for path in bar(files, desc="export: rows", unit="file", progress=progress):
         _copy_rollout_file(store, target, path, external)
     return target
 
@@ -94,7 +102,7 @@ def _create_empty(dest: str, s3_options: dict[str, Any]) -> Store:
     except NotAStoreError:
         # create=True refuses a location that holds anything at all.
         return Store.open(dest, create=True, s3_options=options)
-    raise MmstoreError(
+    raise DestinationExistsError(
         "export destination already holds a store; export into an empty one", root=dest
     )
 
@@ -105,21 +113,16 @@ def _copy_media(
     """Copy one media file, verified on both sides; return its store-relative URI there."""
     uri, digest = key
     try:
+        backend, rel = store.resolve(uri)
         data = store.read_media(uri, digest)
+        if backend is not store.backend:  # external: into media/, under its canonical name
+            fmt, _, _ = probe(data, max_pixels=store.max_image_pixels, where=uri)
+            rel = media_path(digest, FORMAT_EXTENSIONS[fmt][0])
     except MmstoreError as exc:  # name the row that needs these bytes
         raise type(exc)(exc.message, **{**where, **exc.context}) from None
-    rel = uri if "://" not in uri else media_path(digest, _extension(uri, data))
     target.backend.write_atomic(rel, data, replace=False)
     target.read_media(rel, digest)
     return key, rel
-
-
-def _extension(uri: str, data: bytes) -> str:
-    ext = uri.rsplit("/", 1)[-1].rpartition(".")[2].lower()
-    if ext in EXTENSIONS:
-        return ext
-    fmt, _, _ = probe(data, where=uri)
-    return FORMAT_EXTENSIONS[fmt][0]
 
 
 def _copy_rollout_file(store: Store, target: Store, path: str, external: dict[str, str]) -> None:
@@ -133,7 +136,7 @@ def _copy_rollout_file(store: Store, target: Store, path: str, external: dict[st
 
 def _write_verified(backend: Backend, rel: str, data: bytes) -> None:
     if not backend.write_atomic(rel, data, replace=False):
-        raise MmstoreError("export destination already has this rollout file", file=rel)
+        raise DestinationExistsError("export destination already has this rollout file", file=rel)
     if content_hash(backend.read(rel)) != content_hash(data):
         raise HashMismatchError("rollout file read back from the export differs", file=rel)
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._backends import STAGING, FileStat, LocalBackend
-from ._exceptions import MmstoreError
+from ._exceptions import InvalidArgumentError
 from ._pins import pinned_hashes
 from ._refscan import media_hash, referenced_hashes
 from ._store import MEDIA, ROLLOUTS
@@ -118,9 +118,9 @@ def _collect(
     ignore_files: frozenset[str],
 ) -> GcReport:
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int | float):
-        raise MmstoreError(f"grace_seconds must be a number, got {grace_seconds!r}")
+        raise InvalidArgumentError(f"grace_seconds must be a number, got {grace_seconds!r}")
     if grace_seconds < 0:
-        raise MmstoreError(f"grace_seconds must be >= 0, got {grace_seconds}")
+        raise InvalidArgumentError(f"grace_seconds must be >= 0, got {grace_seconds}")
     cutoff = time.time() - grace_seconds
     # Order matters (module docstring): candidates first, then the marks.
     media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -44,6 +44,11 @@ class Sample:
     missing_uris: list[str] = field(default_factory=list)
 
 
+def check_missing_policy(missing: str) -> None:
+    if missing not in get_args(MissingPolicy):
+        raise ValueError(f"missing must be one of {get_args(MissingPolicy)}, got {missing!r}")
+
+
 def cast_floats(outputs: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Tensors of a processor output; floating ones cast to ``dtype``, integer ones kept."""
     out = {}
@@ -71,8 +76,7 @@ class Materializer:
         max_len: int | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        if missing not in ("error", "placeholder_zero_loss"):
-            raise ValueError(f"missing must be 'error' or 'placeholder_zero_loss', got {missing!r}")
+        check_missing_policy(missing)
         self.store = store
         self.adapter = adapter
         self.dtype = dtype

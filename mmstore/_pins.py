@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import MmstoreError
+from ._exceptions import CorruptFileError, InvalidArgumentError, NoMatchError
 from ._models import ImageRef, MediaRef
 from ._refscan import HASH_RE, referenced_hashes, select_files
 from ._store import PINS
@@ -29,7 +29,9 @@ PIN_VERSION = 1
 
 def pin_path(name: str) -> str:
     if not isinstance(name, str) or not PIN_NAME.match(name):
-        raise MmstoreError(f"pin name {name!r} must match {PIN_NAME.pattern} (it names a file)")
+        raise InvalidArgumentError(
+            f"pin name {name!r} must match {PIN_NAME.pattern} (it names a file)"
+        )
     return f"{PINS}/{name}.json"
 
 
@@ -61,7 +63,7 @@ def pin_rows(
     pin_path(name)
     files = select_files(store, runs, steps)
     if not files:
-        raise MmstoreError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
+        raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
     return pin(store, name, referenced_hashes(store, [f.path for f in files], progress=False))
 
 
@@ -69,7 +71,7 @@ def unpin(store: Store, name: str) -> None:
     """Remove a pin; its media becomes collectable unless something else references it."""
     rel = pin_path(name)
     if store.backend.stat(rel) is None:
-        raise MmstoreError(f"no pin named {name!r}", file=rel)
+        raise NoMatchError(f"no pin named {name!r}", file=rel)
     store.backend.delete(rel)
 
 
@@ -95,7 +97,7 @@ def read_pins(store: Store) -> dict[str, set[str]]:
         except FileNotFoundError:  # unpinned while we listed
             continue
         except ValueError:
-            raise MmstoreError("pin file is not JSON", file=stat.path) from None
+            raise CorruptFileError("pin file is not JSON", file=stat.path) from None
         pins[name] = _pin_hashes(doc, stat.path)
     return pins
 
@@ -109,7 +111,7 @@ def _pin_hashes(doc: Any, rel: str) -> set[str]:
         or not isinstance(hashes, list)
         or not all(isinstance(h, str) and HASH_RE.match(h) for h in hashes)
     ):
-        raise MmstoreError(
+        raise CorruptFileError(
             f"not a {PIN_FORMAT} v{PIN_VERSION} file with a list of hashes", file=rel
         )
     return set(hashes)
@@ -118,7 +120,7 @@ def _pin_hashes(doc: Any, rel: str) -> set[str]:
 def _hash_of(ref: ImageRef | MediaRef | str, name: str) -> str:
     digest = ref if isinstance(ref, str) else getattr(ref, "hash", None)
     if not isinstance(digest, str) or not HASH_RE.match(digest):
-        raise MmstoreError(
+        raise InvalidArgumentError(
             f"pin {name!r}: expected an ImageRef, MediaRef or 32-hex-digit hash, got {ref!r}"
         )
     return digest

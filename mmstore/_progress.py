@@ -10,8 +10,6 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-from tqdm.auto import tqdm
-
 T = TypeVar("T")
 
 
@@ -35,4 +33,7 @@ def bar(
     if not enabled(progress):
         yield from items
         return
+    # Plain (std) tqdm: tqdm.auto warns in kernels without ipywidgets; stderr works anywhere.
+    from tqdm import tqdm
+
     yield from tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)

@@ -8,35 +8,24 @@ column would silently read nothing, which for gc would mean deleting live media.
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
-from ._exceptions import MmstoreError, SchemaVersionError
+from ._exceptions import CorruptFileError, InvalidArgumentError, MmstoreError, SchemaVersionError
+from ._progress import bar
 from ._scan import partition_of
 
 if TYPE_CHECKING:
     from ._backends import FileStat
     from ._store import Store
 
-T = TypeVar("T")
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
-
-
-def progress_bar(items: Iterable[T], enabled: bool | None, **kwargs: Any) -> Iterator[T]:
-    """tqdm over ``items``; ``enabled=None`` shows it on a TTY unless MMSTORE_PROGRESS=0."""
-    if enabled is None:
-        disable: bool | None = True if os.environ.get("MMSTORE_PROGRESS") == "0" else None
-    else:
-        disable = not enabled
-    return iter(tqdm(items, disable=disable, **kwargs))
 
 
 # -- selecting files -----------------------------------------------------------------------
@@ -64,7 +53,7 @@ def _run_set(runs: str | Iterable[str] | None) -> set[str] | None:
     chosen = {runs} if isinstance(runs, str) else set(runs)
     bad = [r for r in chosen if not isinstance(r, str)]
     if bad:
-        raise MmstoreError(f"runs must be run_id strings, got {bad[:3]!r}")
+        raise InvalidArgumentError(f"runs must be run_id strings, got {bad[:3]!r}")
     return chosen
 
 
@@ -74,7 +63,7 @@ def _step_set(steps: int | range | Iterable[int] | None) -> range | set[int] | N
     chosen = {steps} if isinstance(steps, int) else set(steps)
     bad = [s for s in chosen if isinstance(s, bool) or not isinstance(s, int)]
     if bad:
-        raise MmstoreError(f"steps must be ints (or a range), got {bad[:3]!r}")
+        raise InvalidArgumentError(f"steps must be ints (or a range), got {bad[:3]!r}")
     return chosen
 
 
@@ -87,7 +76,7 @@ def open_rollout_file(store: Store, path: str) -> pq.ParquetFile:
         source = store.backend.fs.open_input_file(store.backend.abspath(path))
         return pq.ParquetFile(source)
     except (OSError, pa.ArrowException) as exc:
-        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
 
 
 def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
@@ -106,7 +95,7 @@ def file_hashes(store: Store, path: str) -> pa.Array:
     try:
         column = parquet.read(columns=[image_leaf(parquet, "hash", file=path)]).column("images")
     except (OSError, pa.ArrowException) as exc:
-        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
     return pc.unique(pc.struct_field(pc.list_flatten(column), "hash"))
 
 
@@ -114,7 +103,7 @@ def referenced_hashes(
     store: Store, paths: Iterable[str], *, progress: bool | None = None, desc: str = "mark"
 ) -> set[str]:
     """Every hash the files at ``paths`` reference."""
-    listed = progress_bar(list(paths), progress, desc=desc)
+    listed = bar(list(paths), desc=desc, unit="file", progress=progress)
     chunks = [_hashes_unless_removed(store, path) for path in listed]
     if not chunks:
         return set()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import MmstoreError
+from ._exceptions import CorruptFileError
 from ._schema import check_schema_version
 
 if TYPE_CHECKING:
@@ -63,7 +63,9 @@ def partition_of(path: str) -> tuple[str, int]:
     try:
         return parts["run_id"], int(parts["step"])
     except (KeyError, ValueError):
-        raise MmstoreError("rollout file outside run_id=…/step=… partitions", file=path) from None
+        raise CorruptFileError(
+            "rollout file outside run_id=…/step=… partitions", file=path
+        ) from None
 
 
 def take_snapshot(
@@ -102,7 +104,7 @@ def read_footer(store: Store, path: str) -> pq.FileMetaData:
     try:
         meta = open_parquet(store, path).metadata
     except (OSError, pa.ArrowInvalid) as exc:
-        raise MmstoreError(f"unreadable rollout file: {exc}", file=path) from None
+        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
     check_schema_version(meta.metadata, where=path)
     return meta
 

@@ -22,13 +22,13 @@ import pyarrow.compute as pc
 from ._exceptions import MmstoreError, SchemaVersionError, UntrustedURIError
 from ._media import content_hash
 from ._pins import read_pins
+from ._progress import bar
 from ._refscan import (
     HASH_RE,
     flatten_refs,
     location,
     media_hash,
     open_rollout_file,
-    progress_bar,
     read_ref_columns,
 )
 from ._schema import check_schema_version
@@ -87,7 +87,7 @@ def verify(store: Store, check_hashes: bool = True, progress: bool | None = None
     refs = 0
     seen_samples: dict[str, set[str]] = {}
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        for stat in progress_bar(files, progress, desc="verify", unit="file"):
+        for stat in bar(files, desc="verify", unit="file", progress=progress):
             found, count = _verify_file(store, stat.path, checker, pool, seen_samples)
             problems += found
             refs += count

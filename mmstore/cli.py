@@ -20,7 +20,7 @@ import polars as pl
 import pyarrow as pa
 
 from . import debug
-from ._exceptions import MmstoreError
+from ._exceptions import MmstoreError, NoMatchError
 from ._export import export
 from ._lifecycle import gc, release_run
 from ._store import Store
@@ -132,7 +132,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if total == 0:
         where = _where(args)
         if where:
-            raise MmstoreError(f"no rollouts match {where}", root=args.root)
+            raise NoMatchError(f"no rollouts match {where}", root=args.root)
         print("the store holds no rollouts")
         return 0
     _print_table(rows)

@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ._adapters import Layout, layout_for_fingerprint
 from ._backends import S3Backend
-from ._exceptions import MediaNotFoundError, MmstoreError
+from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
 from ._progress import bar
 from ._scan import partition_of
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
@@ -202,10 +202,10 @@ def sample(
     found = scan(store).filter(where).collect()
     context = {"sample_id": sample_id, "run_id": run_id, "step": step}
     if found.height == 0:
-        raise MmstoreError("no such sample in the store", **context)
+        raise NoMatchError("no such sample in the store", **context)
     if found.height > 1:
         places = ", ".join(f"{r}/{s}" for r, s in found.select("run_id", "step").iter_rows())
-        raise MmstoreError(
+        raise NoMatchError(
             f"sample id is in several run/step partitions ({places}); pass run_id and step",
             **context,
         )

@@ -278,9 +278,9 @@ def test_sample_lookup(known):
         known.rows["r1", 0][2].prompt_len,
     )
     assert debug.sample(known.store, "s0", run_id="r2")["run_id"] == "r2"
-    with pytest.raises(mmstore.MmstoreError, match=r"r1/0, r2/0"):
+    with pytest.raises(mmstore.NoMatchError, match=r"r1/0, r2/0"):
         debug.sample(known.store, "s0")
-    with pytest.raises(mmstore.MmstoreError, match="no such sample") as err:
+    with pytest.raises(LookupError, match="no such sample") as err:
         debug.sample(known.store, "nope", run_id="r1")
     assert err.value.sample_id == "nope"
 

@@ -26,6 +26,10 @@ TREE = [
     (mmstore.NotAStoreError, FileNotFoundError),
     (mmstore.ImageDecodeError, ValueError),
     (mmstore.DecompressionBombError, ValueError),
+    (mmstore.InvalidArgumentError, ValueError),
+    (mmstore.CorruptFileError, ValueError),
+    (mmstore.NoMatchError, LookupError),
+    (mmstore.DestinationExistsError, FileExistsError),
 ]
 
 ALL_ERRORS = [

@@ -64,6 +64,37 @@ def test_export_of_a_step_range_outlives_the_source(tmp_path, adapter):
     assert report.ok and report.refs_checked == 6 and report.media_checked == 3
 
 
+def test_an_export_trains_through_the_loader_after_the_source_is_gone(
+    tmp_path, adapter, small_processor
+):
+    import torch
+
+    from mmstore._synth import grpo_rollouts
+
+    source = mmstore.Store.open(tmp_path / "source", create=True)
+    for step in range(4):
+        with source.writer(run_id="r1", step=step) as w:
+            for r in grpo_rollouts(
+                source, adapter, groups=2, group_size=2, image_size=(96, 64), seed=step
+            ):
+                w.write(r)
+    mmstore.export(source, tmp_path / "dump", runs=["r1"], steps=range(1, 3))
+    shutil.rmtree(tmp_path / "source")
+    # Opened from another path: store-relative URIs keep resolving.
+    shutil.move(tmp_path / "dump", tmp_path / "moved")
+    dump = mmstore.Store.open(tmp_path / "moved")
+    ds = mmstore.RolloutDataset(dump, small_processor, dtype=torch.bfloat16)
+    seen = []
+    for batch in mmstore.RolloutLoader(ds, batch_size=3, num_workers=1):
+        assert batch["pixel_values"].dtype == torch.bfloat16
+        assert batch["images_missing"] == 0
+        assert int(batch["image_grid_thw"].prod(-1).sum()) == batch["pixel_values"].shape[0]
+        seen += batch["sample_ids"]
+    assert sorted(seen) == sorted(
+        f"g{s}-{g:05d}-{k:02d}" for s in (1, 2) for g in range(2) for k in range(2)
+    )
+
+
 def test_export_copies_external_media_in_and_rewrites_only_their_uris(tmp_path, adapter):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -99,15 +130,15 @@ def test_export_refuses_bad_destinations_selections_and_missing_media(tmp_path, 
     commit(source, adapter, "r1", 0, [[kept]])
     path = commit(source, adapter, "r1", 1, [[kept], [kept, lost]])
 
-    with pytest.raises(mmstore.MmstoreError, match="already holds a store"):
+    with pytest.raises(mmstore.DestinationExistsError, match="already holds a store"):
         mmstore.export(source, tmp_path / "source")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("x")
     with pytest.raises(mmstore.NotAStoreError, match="refusing to create"):
         mmstore.export(source, tmp_path / "busy")
-    with pytest.raises(mmstore.MmstoreError, match="no committed rollout files"):
+    with pytest.raises(mmstore.NoMatchError, match="no committed rollout files"):
         mmstore.export(source, tmp_path / "none", steps=[7])
-    with pytest.raises(mmstore.MmstoreError, match="steps must be ints"):
+    with pytest.raises(mmstore.InvalidArgumentError, match="steps must be ints"):
         mmstore.export(source, tmp_path / "none", steps=["1"])
 
     source.backend.delete(lost.uri)

@@ -89,14 +89,14 @@ def test_gc_refuses_to_sweep_when_a_rollout_file_is_unreadable(store, adapter):
     full = store.backend.abspath(path)
     with open(full, "r+b") as f:
         f.truncate(os.path.getsize(full) // 2)
-    with pytest.raises(mmstore.MmstoreError) as info:
+    with pytest.raises(mmstore.CorruptFileError) as info:
         mmstore.gc(store, grace_seconds=0)
     assert info.value.file == path
     assert present(store, [used, loose]) == [True, True]
 
 
 def test_gc_rejects_a_bad_grace_period(store):
-    with pytest.raises(mmstore.MmstoreError, match="grace_seconds"):
+    with pytest.raises(mmstore.InvalidArgumentError, match="grace_seconds"):
         mmstore.gc(store, grace_seconds=-1)
 
 
@@ -138,16 +138,16 @@ def test_pinned_rows_survive_release_of_their_run(store, adapter):
 
 
 def test_pin_refuses_bad_names_hashes_and_empty_selections(store):
-    with pytest.raises(mmstore.MmstoreError, match="pin name"):
+    with pytest.raises(mmstore.InvalidArgumentError, match="pin name"):
         mmstore.pin(store, "../escape", [])
-    with pytest.raises(mmstore.MmstoreError, match="32-hex-digit"):
+    with pytest.raises(mmstore.InvalidArgumentError, match="32-hex-digit"):
         mmstore.pin(store, "p", ["not-a-hash"])
-    with pytest.raises(mmstore.MmstoreError, match="no committed rollout files"):
+    with pytest.raises(mmstore.NoMatchError, match="no committed rollout files"):
         mmstore.pin_rows(store, "p", runs=["nope"])
-    with pytest.raises(mmstore.MmstoreError, match="no pin named"):
+    with pytest.raises(mmstore.NoMatchError, match="no pin named"):
         mmstore.unpin(store, "p")
     store.backend.write_atomic("pins/broken.json", b"{}")
-    with pytest.raises(mmstore.MmstoreError) as info:
+    with pytest.raises(mmstore.CorruptFileError) as info:
         mmstore.gc(store, grace_seconds=0)
     assert info.value.file == "pins/broken.json"
 

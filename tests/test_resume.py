@@ -131,5 +131,5 @@ def test_state_from_other_settings_is_refused(filled, small_processor):
     loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
     state = loader.state_dict()
     other = mmstore.RolloutLoader(dataset(filled, small_processor, seed=12), batch_size=4)
-    with pytest.raises(mmstore.MmstoreError, match="seed"):
+    with pytest.raises(mmstore.InvalidArgumentError, match="seed"):
         other.load_state_dict(state)
