@@ -36,9 +36,18 @@ def processor() -> Qwen2VLImageProcessorPil:
 
 
 def write_workload(
-    root: str, name: str, samples: int, *, small_images: bool = False, steps: int = 1
+    root: str,
+    name: str,
+    samples: int,
+    *,
+    small_images: bool = False,
+    steps: int = 1,
+    epochs: int = 1,
 ) -> mmstore.Store:
-    """A store holding ``samples`` rows of workload ``name`` spread over ``steps`` steps."""
+    """A store holding ``samples`` rows of workload ``name`` per epoch over ``steps`` steps.
+
+    Epochs repeat the same prompts (and images), each epoch in its own steps.
+    """
     spec = dict(WORKLOADS[name])
     if small_images:
         w, h = spec["image_size"]
@@ -46,10 +55,13 @@ def write_workload(
     store = mmstore.Store.open(root, create=True)
     adapter = mmstore.adapter_for(processor())
     groups = max(1, samples // spec["group_size"] // steps)
-    for step in range(steps):
-        with store.writer(run_id=name, step=step, row_group_size=64) as writer:
-            for rollout in grpo_rollouts(store, adapter, groups=groups, seed=step, **spec):
-                writer.write(rollout)
+    for epoch in range(epochs):
+        for step in range(steps):
+            with store.writer(
+                run_id=f"{name}-e{epoch}", step=epoch * steps + step, row_group_size=64
+            ) as writer:
+                for rollout in grpo_rollouts(store, adapter, groups=groups, seed=step, **spec):
+                    writer.write(rollout)
     return store
 
 

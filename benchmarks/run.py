@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = run_all(args.scale, args.reps, args.only)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, meta["date"])
+    if args.only and os.path.exists(f"{stem}.json"):  # a partial rerun updates the day's file
+        with open(f"{stem}.json") as f:
+            results = {**json.load(f)["results"], **results}
     with open(f"{stem}.json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2, default=str)
     with open(f"{stem}.md", "w") as f:

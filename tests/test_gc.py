@@ -12,6 +12,7 @@ import pytest
 
 import mmstore
 from mmstore._synth import photo
+from tests.rows import commit
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -21,24 +22,6 @@ def any_store(request):
 
 def put_photos(store, seeds, size=(48, 40)):
     return [store.put_image(photo(seed, *size)) for seed in seeds]
-
-
-def commit(store, adapter, run_id, step, media_rows):
-    """One committed file with one row per entry of ``media_rows`` (a list of MediaRefs)."""
-    with store.writer(run_id=run_id, step=step, adapter=adapter) as w:
-        for i, media in enumerate(media_rows):
-            ids = [7, *([adapter.image_token_id, 8] * len(media))]
-            tokens, refs = adapter.expand(ids, media)
-            w.write(
-                mmstore.Rollout(
-                    sample_id=f"{run_id}-{step}-{i}",
-                    tokens=tokens,
-                    prompt_len=len(tokens),
-                    loss_mask=[False] * len(tokens),
-                    images=refs,
-                )
-            )
-    return w.committed
 
 
 def age(store, paths, seconds=3600.0):

@@ -9,23 +9,12 @@ import pytest
 
 import mmstore
 from mmstore._synth import photo
+from tests import rows
 
 
 def commit(store, adapter, run_id, step, media_rows):
-    with store.writer(run_id=run_id, step=step, adapter=adapter) as w:
-        for i, media in enumerate(media_rows):
-            ids = [7, *([adapter.image_token_id, 8] * len(media))]
-            tokens, refs = adapter.expand(ids, media)
-            w.write(
-                mmstore.Rollout(
-                    sample_id=f"{run_id}-{step}-{i}",
-                    tokens=tokens,
-                    prompt_len=len(tokens),
-                    loss_mask=[False] * len(tokens),
-                    images=refs,
-                )
-            )
-    return w.committed[0]
+    """The one file committed by :func:`tests.rows.commit`."""
+    return rows.commit(store, adapter, run_id, step, media_rows)[0]
 
 
 @pytest.fixture
