@@ -102,13 +102,15 @@ class Rollout(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or 'row'}: {err['msg']}"
-                for err in exc.errors()[:5]
-            )
-            raise InvalidRolloutError(
-                f"invalid rollout: {problems}", sample_id=data.get("sample_id")
-            ) from None
+            raise _invalid_rollout(exc, data) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Rollout:
+        """Like pydantic's, but failures are :class:`InvalidRolloutError` as in ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise _invalid_rollout(exc, obj) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +152,17 @@ class Rollout(BaseModel):
         if value is None or isinstance(value, str):
             return value
         return json.dumps(value, sort_keys=True, default=str)
+
+
+def _invalid_rollout(exc: ValidationError, data: Any) -> InvalidRolloutError:
+    for err in exc.errors():  # model_validate runs __init__: keep its error, unwrapped
+        if isinstance(original := err.get("ctx", {}).get("error"), InvalidRolloutError):
+            return original
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'row'}: {err['msg']}" for err in exc.errors()[:5]
+    )
+    sample_id = data.get("sample_id") if isinstance(data, dict) else None
+    return InvalidRolloutError(f"invalid rollout: {problems}", sample_id=sample_id)
 
 
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:

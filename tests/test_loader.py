@@ -43,6 +43,7 @@ def all_ids(loader):
     return [sid for batch in loader for sid in batch["sample_ids"]]
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_every_sample_once_and_order_independent_of_workers(filled, small_processor):
     ds = mmstore.RolloutDataset(filled, small_processor, seed=3)
     assert len(ds) == 32

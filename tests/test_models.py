@@ -231,3 +231,11 @@ def test_image_ref_refuses_bad_fields(fields):
     mmstore.ImageRef(**good)
     with pytest.raises(ValueError):
         mmstore.ImageRef(**{**good, **fields})
+
+
+def test_model_validate_raises_the_same_typed_error_as_the_constructor():
+    bad = {"sample_id": "s9", "tokens": [1], "prompt_len": 0, "loss_mask": "no"}
+    with pytest.raises(mmstore.InvalidRolloutError) as err:
+        mmstore.Rollout.model_validate(bad)
+    assert err.value.sample_id == "s9"
+    assert "loss_mask" in str(err.value) and "Value error" not in str(err.value)
