@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import get_worker_info
 
 from ._materialize import Sample, cast_floats
 
@@ -68,9 +69,7 @@ def collate(
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "mm_token_type_ids": mm_token_type_ids,
-        "pixel_values": torch.cat(pixel_values)
-        if pixel_values
-        else torch.zeros((0, dim), dtype=dtype),
+        "pixel_values": _cat(pixel_values) if pixel_values else torch.zeros((0, dim), dtype=dtype),
         "image_grid_thw": torch.stack(grids) if grids else torch.zeros((0, 3), dtype=torch.int64),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
@@ -82,6 +81,20 @@ def collate(
         "missing_uris": [uri for s in samples for uri in s.missing_uris],
         "dummy_image": extra is not None,
     }
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat``, straight into shared memory inside a DataLoader worker.
+
+    A batch leaves a worker through shared memory; concatenating there (as torch's
+    default_collate does) saves one copy of the largest tensor of the batch.
+    """
+    out = None
+    if get_worker_info() is not None:
+        first = tensors[0]
+        storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
+        out = first.new(storage).resize_(sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return torch.cat(tensors, out=out)
 
 
 def _dummy(

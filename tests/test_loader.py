@@ -89,9 +89,10 @@ def test_epoch_advances_after_a_full_pass(filled, small_processor):
     assert sorted(first) == sorted(second) and first != second
 
 
-def test_parity_with_the_real_processor(filled, small_processor):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_parity_with_the_real_processor(filled, small_processor, workers):
     ds = mmstore.RolloutDataset(filled, small_processor, dtype=torch.bfloat16, shuffle=False)
-    batch = next(iter(mmstore.RolloutLoader(ds, batch_size=2)))
+    batch = next(iter(mmstore.RolloutLoader(ds, batch_size=2, num_workers=workers)))
     # Rebuild what the trainer would compute by hand: processor over the stored images.
     adapter = mmstore.adapter_for(small_processor)
     refs = _refs_of(filled, batch["sample_ids"])
