@@ -98,13 +98,14 @@ class RolloutDataset(IterableDataset[Sample]):
             self._check_layouts(snapshot)
             self.snapshot = snapshot
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
+    def plan(self, epoch: int | None = None, rank: int | None = None) -> EpochPlan:
+        """This rank's (or ``rank``'s) epoch, from metadata only."""
         return EpochPlan.build(
             self.snapshot,
             seed=self.seed,
             epoch=self.epoch if epoch is None else epoch,
             shuffle=self.shuffle,
-            rank=self.rank,
+            rank=self.rank if rank is None else rank,
             world_size=self.world_size,
             window_units=self.window_units,
         )
@@ -187,8 +188,10 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         drop_last: bool,
         dummy_image: bool,
         pad_token_id: int,
+        total: int | None = None,
     ) -> None:
         self.dataset = dataset
+        self.total = total
         self.epoch = epoch
         self.start = start
         self.batch_size = batch_size
@@ -200,7 +203,9 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan = self.dataset.plan(self.epoch)
-        total = plan.num_batches(self.batch_size, self.drop_last)
+        total = self.total
+        if total is None:
+            total = plan.num_batches(self.batch_size, self.drop_last)
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
@@ -241,6 +246,11 @@ class RolloutLoader:
     snapshot's files; ``load_state_dict()`` continues with exactly the rest of that epoch.
     When an epoch is read to its end the loader moves on to the next epoch by itself;
     ``set_epoch(n)`` chooses one explicitly (and starts it from its first batch).
+
+    Ranks get whole row groups, so their batch counts can differ by a few. FSDP/DDP hang
+    when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
+    the fewest batches any rank has (computed from metadata), dropping the surplus of that
+    epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every sample.
     """
 
     def __init__(
@@ -250,6 +260,7 @@ class RolloutLoader:
         num_workers: int = 0,
         *,
         drop_last: bool = False,
+        even_ranks: bool = False,
         dummy_image: bool = False,
         pad_token_id: int = QWEN_PAD_TOKEN_ID,
         prefetch_factor: int | None = None,
@@ -263,6 +274,7 @@ class RolloutLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.drop_last = drop_last
+        self.even_ranks = even_ranks
         self.dummy_image = dummy_image
         self.pad_token_id = pad_token_id
         self.prefetch_factor = prefetch_factor
@@ -277,8 +289,12 @@ class RolloutLoader:
         self.batches_yielded = 0
 
     def __len__(self) -> int:
-        """Batches of the current epoch on this rank."""
-        return self.dataset.plan(self.epoch).num_batches(self.batch_size, self.drop_last)
+        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks)."""
+        ds = self.dataset
+        ranks = range(ds.world_size) if self.even_ranks else [ds.rank]
+        return min(
+            ds.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last) for r in ranks
+        )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
@@ -290,6 +306,7 @@ class RolloutLoader:
             drop_last=self.drop_last,
             dummy_image=self.dummy_image,
             pad_token_id=self.pad_token_id,
+            total=total,
         )
         loader = DataLoader(
             stream,
@@ -318,6 +335,7 @@ class RolloutLoader:
         return {
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            "even_ranks": self.even_ranks,
             "seed": ds.seed,
             "shuffle": ds.shuffle,
             "rank": ds.rank,

@@ -384,3 +384,40 @@ def test_a_real_qwen2_vl_model_trains_on_every_batch(filled, small_processor):
                 pixel_values=batch["pixel_values"],
                 image_grid_thw=batch["image_grid_thw"],
             )
+
+
+def test_even_ranks_give_every_rank_the_same_number_of_batches(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    for step, groups in enumerate((3, 1, 2)):  # files of 12, 4 and 8 rows in groups of 4
+        with store.writer(run_id="u", step=step, row_group_size=4) as w:
+            for r in grpo_rollouts(
+                store,
+                adapter,
+                groups=groups,
+                group_size=4,
+                images_per_sample=1,
+                image_size=(64, 48),
+                seed=step,
+            ):
+                w.write(r)
+
+    def loaders(even):
+        return [
+            mmstore.RolloutLoader(
+                mmstore.RolloutDataset(store, small_processor, rank=r, world_size=4, seed=2),
+                batch_size=3,
+                even_ranks=even,
+            )
+            for r in range(4)
+        ]
+
+    uneven = [len(lo) for lo in loaders(False)]
+    assert len(set(uneven)) > 1, "the fixture must give ranks unequal shares"
+    even = loaders(True)
+    counts = [len(list(lo)) for lo in even]
+    assert counts == [min(uneven)] * 4
+    seen = [sid for lo in loaders(True) for b in lo for sid in b["sample_ids"]]
+    assert len(seen) == len(set(seen))
+    state = even[0].state_dict()
+    assert state["even_ranks"] is True

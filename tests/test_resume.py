@@ -61,13 +61,13 @@ def test_batch_stream_resumes(filled, small_processor):
     check_resume(make, key=batch_key, cuts=range(0, 8))
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_loader_resumes_at_every_cut(filled, small_processor, world):
+@pytest.mark.parametrize(("world", "even"), [(1, False), (2, False), (3, True)])
+def test_loader_resumes_at_every_cut(filled, small_processor, world, even):
     for rank in range(world):
 
         def make(rank=rank):
             ds = dataset(filled, small_processor, rank=rank, world_size=world)
-            loader = mmstore.RolloutLoader(ds, batch_size=3)
+            loader = mmstore.RolloutLoader(ds, batch_size=3, even_ranks=even)
             loader.set_epoch(1)
             return loader
 
