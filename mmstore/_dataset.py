@@ -114,6 +114,12 @@ class RolloutDataset(IterableDataset[Sample]):
         """Samples this rank reads per epoch."""
         return self.plan().num_samples
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers build their own materializer and cache; never ship the parent's to them.
+        state = self.__dict__.copy()
+        state["_materializer"] = None
+        return state
+
     def materializer(self) -> Materializer:
         # Built lazily, once per worker process: the cache lives as long as the worker.
         if self._materializer is None:

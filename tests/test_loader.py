@@ -421,3 +421,14 @@ def test_even_ranks_give_every_rank_the_same_number_of_batches(tmp_path, small_p
     assert len(seen) == len(set(seen))
     state = even[0].state_dict()
     assert state["even_ranks"] is True
+
+
+def test_workers_never_receive_the_parents_cache(filled, small_processor):
+    import pickle
+
+    ds = mmstore.RolloutDataset(filled, small_processor, shuffle=False)
+    list(mmstore.RolloutLoader(ds, batch_size=8))  # fills the main process's cache
+    assert len(ds.materializer().cache) > 0
+    shipped = pickle.loads(pickle.dumps(ds))
+    assert shipped._materializer is None
+    assert len(pickle.dumps(ds)) < 1_000_000
