@@ -23,6 +23,7 @@ from . import debug
 from ._exceptions import MmstoreError, NoMatchError
 from ._export import export
 from ._lifecycle import gc, release_run
+from ._pins import list_pins, pin_rows, unpin
 from ._store import Store
 from ._verify import verify
 
@@ -237,6 +238,33 @@ def _release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin(args: argparse.Namespace) -> int:
+    store = Store.open(args.root)
+    if args.name is None:
+        pins = list_pins(store)
+        if args.json:
+            _print_json(pins)
+        elif pins:
+            for name, count in sorted(pins.items()):
+                print(f"{name}\t{count} media")
+        else:
+            print("no pins")
+        return 0
+    if args.remove:
+        unpin(store, args.name)
+        result = {"pin": args.name, "removed": True}
+    else:
+        path = pin_rows(store, args.name, runs=args.run, steps=args.steps)
+        result = {"pin": args.name, "path": path, "hashes": list_pins(store)[args.name]}
+    if args.json:
+        _print_json(result)
+    elif args.remove:
+        print(f"removed pin {args.name}")
+    else:
+        print(f"pinned {result['hashes']} media as {args.name} ({result['path']})")
+    return 0
+
+
 # -- parsing -----------------------------------------------------------------------------
 
 
@@ -287,6 +315,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dest", help="new store path or s3://bucket/prefix (must be empty)")
     p.add_argument("--run", action="append", help="a run_id to export (repeatable)")
     p.add_argument("--steps", type=_steps, metavar="A:B", help="steps A to B-1, or one step")
+
+    p = command("pin", _pin, "keep the media of chosen rows alive; list or remove pins")
+    p.add_argument("root", help="store path or s3://bucket/prefix")
+    p.add_argument("name", nargs="?", help="pin name (omit to list the pins)")
+    p.add_argument("--run", action="append", help="a run_id whose rows to pin (repeatable)")
+    p.add_argument("--steps", type=_steps, metavar="A:B", help="steps A to B-1, or one step")
+    p.add_argument("--remove", action="store_true", help="remove the pin NAME")
 
     p = command("release", _release, "drop a run's rollouts, then gc")
     p.add_argument("root", help="store path or s3://bucket/prefix")

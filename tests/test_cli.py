@@ -281,6 +281,22 @@ def test_release_a_run(copy, known, capsys):
     assert (copy / known["media"]["A"].uri).exists()  # still referenced by r1
 
 
+def test_pin_keeps_a_released_runs_media(copy, known, capsys):
+    only_r2 = known["media"]["C"].uri
+    result = run_cli("pin", copy, "keep-r2", "--run", "r2", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["pin"] == "keep-r2"
+    listing = call_cli(capsys, "pin", copy)
+    assert listing.returncode == 0 and "keep-r2" in listing.stdout
+    assert call_cli(capsys, "release", copy, "r2", "--grace", "0").returncode == 0
+    assert (copy / only_r2).exists()  # pinned, so it survives the release
+    assert call_cli(capsys, "pin", copy, "keep-r2", "--remove").returncode == 0
+    assert call_cli(capsys, "gc", copy, "--grace", "0").returncode == 0
+    assert not (copy / only_r2).exists()
+    missing = call_cli(capsys, "pin", copy, "nope", "--remove")
+    assert_user_error(missing, 1, "no pin named")
+
+
 def test_s3_store_through_environment(s3_store, s3_options, adapter, capsys, monkeypatch):
     media = s3_store.put_image(screenshot(5, 160, 120))
     with s3_store.writer(run_id="r", step=0) as w:
