@@ -45,8 +45,6 @@ def main(
         adapter = adapter_for(processor)
         store = Store.open(root, create=True)
         started = time.perf_counter()
-        rows = images = 0
-        hashes: set[str] = set()
         for step in bar(range(steps), desc="writing steps", unit="step", progress=progress):
             with store.writer(run_id="demo", step=step) as writer:
                 for rollout in grpo_rollouts(
@@ -58,9 +56,6 @@ def main(
                     seed=step,
                 ):
                     writer.write(rollout)
-                    rows += 1
-                    images += len(rollout.images)
-                    hashes.update(ref.hash for ref in rollout.images)
         write_s = time.perf_counter() - started
 
         dataset = RolloutDataset(store, processor, dtype=torch.bfloat16, seed=0)
@@ -79,19 +74,7 @@ def main(
             )
         read_s = time.perf_counter() - started
 
-        summary = _summary(
-            store,
-            adapter,
-            rows,
-            images,
-            len(hashes),
-            seen,
-            hits,
-            misses,
-            write_s,
-            read_s,
-            peak_batch,
-        )
+        summary = _summary(store, seen, hits, misses, write_s, read_s, peak_batch)
         _print(summary, root if keep or workdir is None else None)
         return summary
     finally:
@@ -101,10 +84,6 @@ def main(
 
 def _summary(
     store: Any,
-    adapter: Any,
-    rows: int,
-    images: int,
-    unique: int,
     seen: int,
     hits: int,
     misses: int,
@@ -112,30 +91,23 @@ def _summary(
     read_s: float,
     peak_batch: int,
 ) -> dict[str, Any]:
-    import pyarrow.parquet as pq
+    """The store's figures (from ``debug.summary``) beside the training read's."""
+    from . import debug
 
-    media = store.backend.list("media")
-    media_bytes = sum(f.size for f in media)
-    parquet_bytes = sum(f.size for f in store.rollout_files())
-    dense = 0
-    for f in store.rollout_files():
-        table = pq.ParquetFile(store.backend.fs.open_input_file(store.backend.abspath(f.path)))
-        for refs in table.read(columns=["images"]).column("images").to_pylist():
-            for ref in refs:
-                patches, dim = adapter.layout.pixel_shape(ref["width"], ref["height"])
-                dense += patches * dim * 4
+    stored = debug.summary(store, by=(), progress=False).row(0, named=True)
+    on_disk = stored["media_bytes"] + stored["parquet_bytes"]
     return {
-        "rows": rows,
-        "images": images,
-        "unique_images": unique,
+        "rows": stored["samples"],
+        "images": stored["images"],
+        "unique_images": stored["unique_images"],
         "samples_read": seen,
-        "media_bytes": media_bytes,
-        "parquet_bytes": parquet_bytes,
-        "dense_fp32_bytes": dense,
-        "dense_over_stored": dense / max(1, media_bytes + parquet_bytes),
+        "media_bytes": stored["media_bytes"],
+        "parquet_bytes": stored["parquet_bytes"],
+        "dense_fp32_bytes": stored["dense_fp32_bytes"],
+        "dense_over_stored": stored["dense_fp32_bytes"] / max(1, on_disk),
         "write_seconds": round(write_s, 2),
         "read_seconds": round(read_s, 2),
-        "images_per_second": round(images / read_s, 1) if read_s else None,
+        "images_per_second": round(stored["images"] / read_s, 1) if read_s else None,
         "cache_hit_rate": round(hits / max(1, hits + misses), 3),
         "peak_batch_pixel_bytes": peak_batch,
     }

@@ -19,13 +19,23 @@ import pyarrow.parquet as pq
 
 from ._exceptions import CorruptFileError, InvalidArgumentError, MmstoreError, SchemaVersionError
 from ._progress import bar
-from ._scan import partition_of
 
 if TYPE_CHECKING:
     from ._backends import FileStat
     from ._store import Store
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def partition_of(path: str) -> tuple[str, int]:
+    """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
+    parts = dict(p.split("=", 1) for p in path.split("/")[1:-1] if "=" in p)
+    try:
+        return parts["run_id"], int(parts["step"])
+    except (KeyError, ValueError):
+        raise CorruptFileError(
+            "rollout file outside run_id=…/step=… partitions", file=path
+        ) from None
 
 
 # -- selecting files -----------------------------------------------------------------------
@@ -89,14 +99,14 @@ def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
     raise SchemaVersionError(f"rollout file has no images[].{field} column", file=file)
 
 
-def file_hashes(store: Store, path: str) -> pa.Array:
-    """Distinct hashes one committed file references (reads the hash leaf column only)."""
+def distinct_leaf(store: Store, path: str, field: str) -> pa.Array:
+    """Distinct values of ``images[].<field>`` in one committed file (that leaf column only)."""
     parquet = open_rollout_file(store, path)
     try:
-        column = parquet.read(columns=[image_leaf(parquet, "hash", file=path)]).column("images")
+        column = parquet.read(columns=[image_leaf(parquet, field, file=path)]).column("images")
     except (OSError, pa.ArrowException) as exc:
         raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
-    return pc.unique(pc.struct_field(pc.list_flatten(column), "hash"))
+    return pc.unique(pc.struct_field(pc.list_flatten(column), field))
 
 
 def referenced_hashes(
@@ -114,7 +124,7 @@ def _hashes_unless_removed(store: Store, path: str) -> pa.Array:
     """A file released since it was listed references nothing any more; anything else that
     cannot be read stops the caller (gc must not guess what an unreadable file keeps)."""
     try:
-        return file_hashes(store, path)
+        return distinct_leaf(store, path, "hash")
     except MmstoreError:
         if store.backend.stat(path) is None:
             return pa.array([], pa.string())

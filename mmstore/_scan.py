@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import CorruptFileError
+from ._refscan import distinct_leaf, open_rollout_file, partition_of, select_files
 from ._schema import check_schema_version
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ ROW_COLUMNS = [
     "advantage",
     "images",
 ]
-FINGERPRINT_LEAF = "images.list.element.layout_fingerprint"
 
 
 @dataclass(frozen=True)
@@ -57,17 +56,6 @@ class Snapshot:
         return sum(u.num_rows for u in self.units)
 
 
-def partition_of(path: str) -> tuple[str, int]:
-    """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
-    parts = dict(p.split("=", 1) for p in path.split("/")[1:-1] if "=" in p)
-    try:
-        return parts["run_id"], int(parts["step"])
-    except (KeyError, ValueError):
-        raise CorruptFileError(
-            "rollout file outside run_id=…/step=… partitions", file=path
-        ) from None
-
-
 def take_snapshot(
     store: Store,
     runs: Iterable[str] | None = None,
@@ -76,13 +64,7 @@ def take_snapshot(
 ) -> Snapshot:
     """Units of the committed files selected by run and step (or exactly ``files``)."""
     if files is None:
-        run_set = None if runs is None else set(runs)
-        step_set = None if steps is None else set(steps)
-        files = []
-        for stat in store.rollout_files():
-            run_id, step = partition_of(stat.path)
-            if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
-                files.append(stat.path)
+        files = [stat.path for stat in select_files(store, runs, steps)]
     units: list[WorkUnit] = []
     for path in files:
         run_id, step = partition_of(path)
@@ -95,16 +77,8 @@ def take_snapshot(
     return Snapshot(tuple(files), tuple(units))
 
 
-def open_parquet(store: Store, path: str) -> pq.ParquetFile:
-    source = store.backend.fs.open_input_file(store.backend.abspath(path))
-    return pq.ParquetFile(source)
-
-
 def read_footer(store: Store, path: str) -> pq.FileMetaData:
-    try:
-        meta = open_parquet(store, path).metadata
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
+    meta = open_rollout_file(store, path).metadata
     check_schema_version(meta.metadata, where=path)
     return meta
 
@@ -114,11 +88,7 @@ def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]
     found: dict[str, set[str]] = {}
     for path in snapshot.files:
         run_id, _ = partition_of(path)
-        column = open_parquet(store, path).read(columns=[FINGERPRINT_LEAF]).column("images")
-        flat = pa.compute.list_flatten(column)
-        for fp in pa.compute.unique(
-            pa.compute.struct_field(flat, "layout_fingerprint")
-        ).to_pylist():
+        for fp in distinct_leaf(store, path, "layout_fingerprint").to_pylist():
             found.setdefault(fp, set()).add(run_id)
     return found
 
@@ -129,7 +99,7 @@ def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
     handles: dict[str, Any] = {}
     for unit in units:
         handle = handles.get(unit.file) or handles.setdefault(
-            unit.file, open_parquet(store, unit.file)
+            unit.file, open_rollout_file(store, unit.file)
         )
         tables.append(handle.read_row_group(unit.row_group, columns=ROW_COLUMNS))
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})

@@ -26,7 +26,7 @@ from ._adapters import Layout, layout_for_fingerprint
 from ._backends import S3Backend
 from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
 from ._progress import bar
-from ._scan import partition_of
+from ._refscan import partition_of
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:

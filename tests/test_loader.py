@@ -314,6 +314,8 @@ def test_runs_and_steps_select(filled, small_processor):
     ids = all_ids(mmstore.RolloutLoader(ds, batch_size=8))
     assert len(ids) == 16 and all(sid.startswith("g1-") for sid in ids)
     assert len(mmstore.RolloutDataset(filled, small_processor, runs=["nope"])) == 0
+    # One run id may be given as a plain string (the same selection gc and export use).
+    assert len(mmstore.RolloutDataset(filled, small_processor, runs="r1")) == 32
 
 
 def test_ranks_are_disjoint_and_complete(filled, small_processor):
