@@ -9,8 +9,9 @@ STAMP   := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: the CPU build of 2.13.0 lies on this machine's disk.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch + torchvision first and pinned: pip takes both from this machine's disk (a CUDA
+	# build that runs on the CPU); torchvision is the fast image-processor backend.
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
