@@ -36,7 +36,7 @@ def measure(store: mmstore.Store) -> dict[str, Any]:
         for refs in table.column("images").to_pylist():
             inline_images.append([store.read_media(r["uri"], r["hash"]) for r in refs])
             for r in refs:
-                patches, dim = adapter.layout.pixel_shape(r["width"], r["height"])
+                patches, dim = adapter.pixel_shape(r["width"], r["height"])
                 dense += patches * dim * 4
         column = pa.array(inline_images, pa.list_(pa.binary()))
         sink = pa.BufferOutputStream()

@@ -3,7 +3,6 @@
 from typing import TYPE_CHECKING, Any
 
 from . import debug, wire
-from ._adapters import Layout, QwenVLAdapter, adapter_for
 from ._exceptions import (
     CorruptFileError,
     DecompressionBombError,
@@ -25,6 +24,8 @@ from ._exceptions import (
     WireFormatError,
 )
 from ._export import export
+from ._families import Family, Layout, adapter_for, known_families, register_family
+from ._families.qwen_vl import QwenVL
 from ._invariants import check_rollout, truncate
 from ._lifecycle import GcReport, ReleaseReport, gc, release_run
 from ._models import ImageRef, MediaRef, Rollout
@@ -33,6 +34,9 @@ from ._schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from ._store import Store
 from ._verify import Problem, VerifyReport, verify
 from ._writer import RolloutWriter
+
+# The first release's name for the Qwen-VL adapter.
+QwenVLAdapter = QwenVL
 
 if TYPE_CHECKING:
     from ._dataset import RolloutDataset, RolloutLoader
@@ -68,6 +72,7 @@ __all__ = [
     "ImageRef",
     "ImageSizeError",
     "InvalidRolloutError",
+    "Family",
     "Layout",
     "LayoutMismatchError",
     "MediaError",
@@ -76,6 +81,7 @@ __all__ = [
     "MmstoreError",
     "NotAStoreError",
     "Problem",
+    "QwenVL",
     "QwenVLAdapter",
     "ReleaseReport",
     "Rollout",
@@ -89,6 +95,8 @@ __all__ = [
     "VerifyReport",
     "WireFormatError",
     "adapter_for",
+    "known_families",
+    "register_family",
     "check_rollout",
     "debug",
     "export",

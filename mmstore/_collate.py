@@ -1,4 +1,4 @@
-"""Samples -> one batch as a Qwen-VL trainer consumes it (right padding)."""
+"""Samples -> one right-padded batch, in the tensors the sample's model family takes."""
 
 from __future__ import annotations
 
@@ -6,71 +6,62 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 
 from ._materialize import Sample, cast_floats
 
 if TYPE_CHECKING:
-    from ._adapters import QwenVLAdapter
-
-# `<|endoftext|>` in the Qwen2-VL tokenizer, its pad token.
-QWEN_PAD_TOKEN_ID = 151643
-IMAGE_TOKEN_TYPE = 1  # mm_token_type_ids: 0 text, 1 image, 2 video
+    from ._families import Family
 
 
 def collate(
     samples: Sequence[Sample],
+    family: Family,
     *,
-    pad_token_id: int = QWEN_PAD_TOKEN_ID,
-    dummy_image: QwenVLAdapter | None = None,
+    pad_token_id: int | None = None,
+    dummy_image: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Any]:
-    """Pad and stack ``samples``.
+    """Pad and stack ``samples``; image tensors batched as ``family`` says.
 
-    With ``dummy_image`` set (an adapter), a batch without any image gets one tiny zero image
-    appended after the first sample's tokens, attended (so M-RoPE sees it) but never in the
-    loss, so every FSDP rank runs the vision tower.
+    With ``dummy_image``, a batch without any image gets one tiny zero image appended after
+    the first sample's tokens, attended (so position ids see it) but never in the loss, so
+    every FSDP rank runs the vision tower.
     """
     samples = list(samples)
-    extra = _dummy(samples, dummy_image, dtype) if dummy_image is not None else None
+    pad = family.pad_token_id if pad_token_id is None else pad_token_id
+    extra = dummy(family, dtype) if dummy_image and not any(s.images for s in samples) else None
     lengths = [len(s.input_ids) for s in samples]
-    if extra is not None:
-        lengths[0] += extra[0]
-    width = max(lengths)
+    if extra is not None and samples:
+        lengths[0] += len(extra[0])
+    width = max(lengths, default=0)
     batch = len(samples)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.int64)
+    input_ids = torch.full((batch, width), pad, dtype=torch.int64)
     attention_mask = torch.zeros((batch, width), dtype=torch.int64)
     loss_mask = torch.zeros((batch, width), dtype=torch.bool)
-    mm_token_type_ids = torch.zeros((batch, width), dtype=torch.int32)
     logprobs = torch.zeros((batch, width), dtype=torch.float32)
-    pixel_values: list[torch.Tensor] = []
-    grids: list[torch.Tensor] = []
+    images: list[dict[str, torch.Tensor]] = []
     for i, s in enumerate(samples):
         n = len(s.input_ids)
         input_ids[i, :n] = s.input_ids
         attention_mask[i, :n] = 1
         loss_mask[i, :n] = s.loss_mask
-        mm_token_type_ids[i, :n] = s.image_mask.to(torch.int32) * IMAGE_TOKEN_TYPE
         if s.logprobs is not None:
             logprobs[i, :n] = s.logprobs
-        pixel_values.extend(s.pixel_values)
-        grids.extend(s.image_grid_thw)
-    if extra is not None:
-        tokens, pixels, grid, token_id = extra
+        images.extend(s.images)
+    if extra is not None and samples:
+        tokens, tensors = extra
         n = len(samples[0].input_ids)
-        input_ids[0, n : n + tokens] = token_id
-        attention_mask[0, n : n + tokens] = 1
-        mm_token_type_ids[0, n : n + tokens] = IMAGE_TOKEN_TYPE
-        pixel_values.append(pixels)
-        grids.append(grid)
-    dim = pixel_values[0].shape[-1] if pixel_values else 0
+        input_ids[0, n : n + len(tokens)] = tokens
+        attention_mask[0, n : n + len(tokens)] = 1
+        images.append(tensors)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
-        "mm_token_type_ids": mm_token_type_ids,
-        "pixel_values": _cat(pixel_values) if pixel_values else torch.zeros((0, dim), dtype=dtype),
-        "image_grid_thw": torch.stack(grids) if grids else torch.zeros((0, 3), dtype=torch.int64),
+        **family.token_types(input_ids),
+        **family.collate_images(images),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),
@@ -83,8 +74,15 @@ def collate(
     }
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat``, straight into shared memory inside a DataLoader worker.
+def dummy(family: Family, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The family's smallest image as zeros: its expansion and its tensors (train dtype)."""
+    width, height = family.dummy_size
+    tokens = torch.tensor(family.expansion_array(width, height), dtype=torch.int64)
+    return tokens, cast_floats(family.placeholder(width, height), dtype)
+
+
+def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` on the first axis, straight into shared memory inside a DataLoader worker.
 
     A batch leaves a worker through shared memory; concatenating there (as torch's
     default_collate does) saves one copy of the largest tensor of the batch.
@@ -94,19 +92,16 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         first = tensors[0]
         storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
         out = first.new(storage).resize_(sum(t.shape[0] for t in tensors), *first.shape[1:])
-    return torch.cat(tensors, out=out)
+    return torch.cat(list(tensors), out=out)
 
 
-def _dummy(
-    samples: Sequence[Sample], adapter: QwenVLAdapter, dtype: torch.dtype
-) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-    if not samples or any(s.pixel_values for s in samples):
-        return None
-    side = adapter.layout.patch_size * adapter.layout.merge_size
-    outputs = cast_floats(adapter.placeholder(side, side), dtype)
-    return (
-        adapter.num_tokens(side, side),
-        outputs["pixel_values"],
-        outputs["image_grid_thw"][0],
-        adapter.image_token_id,
-    )
+def pad_and_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Zero-pad every trailing axis to the largest of the batch, then :func:`concat`."""
+    target = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        widths: list[int] = []
+        for d in reversed(range(1, t.dim())):  # F.pad takes the last axis first
+            widths += [0, target[d - 1] - t.shape[d]]
+        padded.append(F.pad(t, widths) if any(widths) else t)
+    return concat(padded)

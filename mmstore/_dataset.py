@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ._adapters import adapter_for
-from ._collate import QWEN_PAD_TOKEN_ID, collate
+from ._collate import collate
 from ._exceptions import InvalidArgumentError, LayoutMismatchError
+from ._families import adapter_for
 from ._materialize import (
     DEFAULT_CACHE_BYTES,
     Materializer,
@@ -193,7 +193,7 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         batch_size: int,
         drop_last: bool,
         dummy_image: bool,
-        pad_token_id: int,
+        pad_token_id: int | None,
         total: int | None = None,
     ) -> None:
         self.dataset = dataset
@@ -223,8 +223,9 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
                 batch = collate(
                     pending,
+                    self.dataset.adapter,
                     pad_token_id=self.pad_token_id,
-                    dummy_image=self.dataset.adapter if self.dummy_image else None,
+                    dummy_image=self.dummy_image,
                     dtype=self.dataset.dtype,
                 )
                 batch["batch_index"] = position // bs
@@ -268,7 +269,7 @@ class RolloutLoader:
         drop_last: bool = False,
         even_ranks: bool = False,
         dummy_image: bool = False,
-        pad_token_id: int = QWEN_PAD_TOKEN_ID,
+        pad_token_id: int | None = None,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
@@ -289,6 +290,12 @@ class RolloutLoader:
         self.timeout = timeout
         self.epoch = dataset.epoch
         self.batches_yielded = 0
+
+    @property
+    def model_input_names(self) -> tuple[str, ...]:
+        """The batch keys the family's transformers model takes:
+        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs."""
+        return self.dataset.adapter.model_input_names
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

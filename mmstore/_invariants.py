@@ -6,12 +6,12 @@ Pure functions: they read a row and the layouts of its images, and raise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ._adapters import Layout, layout_for_fingerprint
-from ._exceptions import InvalidRolloutError
+from ._exceptions import InvalidArgumentError, InvalidRolloutError
+from ._families import Family, Layout, family_for_layout, layout_for_fingerprint
 from ._models import Rollout
 
 LayoutLookup = Callable[[str], "Layout | None"]
@@ -21,13 +21,14 @@ def check_rollout(
     rollout: Rollout,
     layouts: LayoutLookup = layout_for_fingerprint,
     *,
-    image_token_ids: Sequence[int] = (),
+    image_token_ids: Iterable[int] = (),
 ) -> None:
     """Refuse a row whose masks, spans or placeholder tokens are inconsistent.
 
-    ``layouts`` maps a ref's fingerprint to its :class:`Layout`. ``image_token_ids`` are
-    placeholder ids that must not appear outside spans even in rows without images (the
-    writer passes the ids of the layouts it knows).
+    ``layouts`` maps a ref's fingerprint to its :class:`Layout`. Each span must hold exactly
+    its family's expansion of that image. ``image_token_ids`` are image tokens that must not
+    appear outside spans even in rows without images (the writer passes those of the
+    families it knows); the special tokens of every family a row uses are added.
     """
     sid = rollout.sample_id
     n = len(rollout.tokens)
@@ -54,27 +55,27 @@ def check_rollout(
                 sample_id=sid,
                 image_index=index,
             )
-        layout = _layout_of(ref.layout_fingerprint, ref.family, layouts, sid, index)
-        expected = layout.num_tokens(ref.width, ref.height)
-        if ref.length != expected:
+        family = _family_of(ref.layout_fingerprint, ref.family, layouts, sid, index)
+        expected = family.expansion_array(ref.width, ref.height)
+        if ref.length != len(expected):
             raise InvalidRolloutError(
-                f"span length {ref.length} != {expected} tokens that {layout.family} lays out "
-                f"for a {ref.width}x{ref.height} image",
+                f"span length {ref.length} != {len(expected)} tokens that {family.family} lays "
+                f"out for a {ref.width}x{ref.height} image",
                 sample_id=sid,
                 image_index=index,
             )
         span = tokens[ref.offset : ref.offset + ref.length]
-        wrong = np.flatnonzero(span != layout.image_token_id)
+        wrong = np.flatnonzero(span != expected)
         if wrong.size:
             pos = ref.offset + int(wrong[0])
             raise InvalidRolloutError(
-                f"token {int(tokens[pos])} at position {pos} inside the span is not the image "
-                f"placeholder {layout.image_token_id}",
+                f"token {int(tokens[pos])} at position {pos} inside the span is not the "
+                f"{family.family} expansion's {int(expected[wrong[0]])}",
                 sample_id=sid,
                 image_index=index,
             )
         in_span[ref.offset : ref.offset + ref.length] = True
-        placeholder_ids.add(layout.image_token_id)
+        placeholder_ids.update(family.special_token_ids)
         end_of_previous = ref.offset + ref.length
     if placeholder_ids:
         stray = np.flatnonzero(~in_span & np.isin(tokens, sorted(placeholder_ids)))
@@ -103,9 +104,9 @@ def _check_lengths(rollout: Rollout, n: int) -> None:
         )
 
 
-def _layout_of(
+def _family_of(
     fingerprint: str, family: str, layouts: LayoutLookup, sid: str, index: int
-) -> Layout:
+) -> Family:
     layout = layouts(fingerprint)
     if layout is None:
         raise InvalidRolloutError(
@@ -120,7 +121,7 @@ def _layout_of(
             sample_id=sid,
             image_index=index,
         )
-    return layout
+    return family_for_layout(layout)
 
 
 def truncation_point(
@@ -132,7 +133,7 @@ def truncation_point(
     An image straddling ``max_len`` moves the cut to its start.
     """
     if max_len <= 0:
-        raise ValueError(f"max_len must be positive, got {max_len}")
+        raise InvalidArgumentError(f"max_len must be positive, got {max_len}")
     cut = min(n_tokens, max_len)
     kept = 0
     for offset, length in zip(offsets, lengths, strict=True):

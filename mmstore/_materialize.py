@@ -1,6 +1,6 @@
 """Rows -> training samples: verified media reads, decode, the real processor, dtype cast.
 
-Runs inside DataLoader workers. Each worker keeps a byte-bounded cache of processed pixels
+Runs inside DataLoader workers. Each worker keeps a byte-bounded cache of processed images
 keyed by (hash, fingerprint), so the samples of a GRPO group process their shared image once.
 """
 
@@ -19,7 +19,7 @@ from ._invariants import truncation_point
 from ._models import ImageRef
 
 if TYPE_CHECKING:
-    from ._adapters import QwenVLAdapter
+    from ._families import Family
     from ._store import Store
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
@@ -39,8 +39,9 @@ class Sample:
     prompt_len: int
     reward: float
     advantage: float
-    pixel_values: list[torch.Tensor] = field(default_factory=list)  # one [patches, dim] per image
-    image_grid_thw: list[torch.Tensor] = field(default_factory=list)  # int64 [3] per image
+    # one dict per image: the family's image tensors (floats in the train dtype), each with
+    # a leading axis the family's collate concatenates over
+    images: list[dict[str, torch.Tensor]] = field(default_factory=list)
     missing_uris: list[str] = field(default_factory=list)
 
 
@@ -69,7 +70,7 @@ class Materializer:
     def __init__(
         self,
         store: Store,
-        adapter: QwenVLAdapter,
+        adapter: Family,
         *,
         dtype: torch.dtype = torch.bfloat16,
         missing: MissingPolicy = "error",
@@ -82,7 +83,7 @@ class Materializer:
         self.dtype = dtype
         self.missing = missing
         self.max_len = max_len
-        self.cache: ByteLRU[tuple[torch.Tensor, torch.Tensor]] = ByteLRU(cache_bytes)
+        self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
 
     def sample(self, row: dict[str, Any]) -> Sample:
         sid = row["sample_id"]
@@ -116,17 +117,13 @@ class Materializer:
         )
         for index, ref in enumerate(refs[:kept]):
             image_mask[ref.offset : ref.offset + ref.length] = True
-            pixels, grid = self.image(ref, sid, index, sample)
-            sample.pixel_values.append(pixels)
-            sample.image_grid_thw.append(grid)
+            sample.images.append(self.image(ref, sid, index, sample))
         if sample.missing_uris:
             sample.loss_mask.zero_()
         return sample
 
-    def image(
-        self, ref: ImageRef, sid: str, index: int, sample: Sample
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pixels (train dtype) and grid (int64) of one image, from cache or the processor."""
+    def image(self, ref: ImageRef, sid: str, index: int, sample: Sample) -> dict[str, torch.Tensor]:
+        """One image's tensors (floats in the train dtype), from cache or the processor."""
         where = {"sample_id": sid, "image_index": index}
         if ref.layout_fingerprint != self.adapter.fingerprint:
             raise LayoutMismatchError(
@@ -149,13 +146,11 @@ class Materializer:
         except MmstoreError as exc:
             raise with_context(exc, **where) from None
         outputs = cast_floats(self.adapter.process([image]), self.dtype)
-        grid = outputs["image_grid_thw"][0]
-        self.adapter.check_grid(grid.tolist(), ref, sample_id=sid, image_index=index)
-        pixels = outputs["pixel_values"]
-        self.cache.put(key, (pixels, grid), pixels.numel() * pixels.element_size())
-        return pixels, grid
+        self.adapter.check_output(outputs, ref, sample_id=sid, image_index=index)
+        nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
+        self.cache.put(key, outputs, nbytes)
+        return outputs
 
-    def _placeholder(self, ref: ImageRef) -> tuple[torch.Tensor, torch.Tensor]:
+    def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.
-        outputs = cast_floats(self.adapter.placeholder(ref.width, ref.height), self.dtype)
-        return outputs["pixel_values"], outputs["image_grid_thw"][0]
+        return cast_floats(self.adapter.placeholder(ref.width, ref.height), self.dtype)

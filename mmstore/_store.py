@@ -40,7 +40,7 @@ from ._media import (
 from ._models import ImageRef, MediaRef
 
 if TYPE_CHECKING:
-    from ._adapters import QwenVLAdapter
+    from ._families import Family
     from ._writer import RolloutWriter
 
 FORMAT_VERSION = 1
@@ -281,7 +281,7 @@ class Store:
         run_id: str,
         step: int,
         *,
-        adapter: QwenVLAdapter | None = None,
+        adapter: Family | None = None,
         row_group_size: int | None = None,
     ) -> RolloutWriter:
         """A writer whose rows become visible atomically when its ``with`` block exits."""

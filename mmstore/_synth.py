@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 from ._models import MediaRef, Rollout
 
 if TYPE_CHECKING:
-    from ._adapters import QwenVLAdapter
+    from ._families import Family
     from ._store import Store
 
 # Qwen chat-template tokens around an image (ids from the Qwen2-VL tokenizer).
@@ -76,7 +76,7 @@ def prompt_tokens(rng: random.Random, n_text: int, n_images: int) -> list[int]:
 
 def grpo_rollouts(
     store: Store,
-    adapter: QwenVLAdapter,
+    adapter: Family,
     *,
     groups: int,
     group_size: int = 8,

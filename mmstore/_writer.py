@@ -16,14 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._adapters import Layout, layout_for_fingerprint
 from ._exceptions import InvalidRolloutError
+from ._families import Layout, layout_for_fingerprint
 from ._invariants import check_rollout
 from ._models import Rollout
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
 if TYPE_CHECKING:
-    from ._adapters import QwenVLAdapter
+    from ._families import Family
     from ._store import Store
 
 # Rows are a few KB to a few hundred KB; 128 rows keep row groups (the unit of work the
@@ -130,7 +130,7 @@ class RolloutWriter:
         run_id: str,
         step: int,
         *,
-        adapter: QwenVLAdapter | None = None,
+        adapter: Family | None = None,
         row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
     ) -> None:
         check_partition(run_id, step)
@@ -144,7 +144,7 @@ class RolloutWriter:
         self.writer_id = uuid.uuid4().hex
         self.row_group_size = row_group_size
         self.committed: list[str] = []
-        self._adapter_layout = adapter.layout if adapter is not None else None
+        self._adapter = adapter
         self._layouts: dict[str, Layout] = {}
         self._sample_ids: set[str] = set()
         self._known_media: set[tuple[str, str]] = set()
@@ -181,7 +181,7 @@ class RolloutWriter:
                 used[fingerprint] = layout
             return layout
 
-        token_ids = [self._adapter_layout.image_token_id] if self._adapter_layout else []
+        token_ids = self._adapter.special_token_ids if self._adapter is not None else ()
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids)
         except InvalidRolloutError as exc:
@@ -202,8 +202,8 @@ class RolloutWriter:
             self.write(rollout)
 
     def _layout(self, fingerprint: str) -> Layout | None:
-        if self._adapter_layout is not None and self._adapter_layout.fingerprint == fingerprint:
-            return self._adapter_layout
+        if self._adapter is not None and self._adapter.fingerprint == fingerprint:
+            return self._adapter.layout
         return layout_for_fingerprint(fingerprint)
 
     def _flush_row_group(self) -> None:

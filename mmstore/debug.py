@@ -13,18 +13,20 @@ images display inline in notebooks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from ._adapters import Layout, layout_for_fingerprint
 from ._backends import S3Backend
 from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
+from ._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
 from ._progress import bar
 from ._refscan import partition_of
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
@@ -421,8 +423,10 @@ def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> 
     for rel in bar(paths, desc="reading footers", unit="file", progress=progress):
         meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs).metadata
         raw = (meta or {}).get(META_LAYOUTS)
-        for fingerprint, params in json.loads(raw or b"{}").items():
-            layouts.setdefault(fingerprint, Layout(**params))
+        for fingerprint, record in json.loads(raw or b"{}").items():
+            if fingerprint not in layouts:
+                with contextlib.suppress(MmstoreError):  # unknown family: size unknown
+                    layouts[fingerprint] = layout_from_record(record)
     return layouts
 
 
@@ -432,8 +436,11 @@ def _dense_bytes(
     layout = layouts.get(fingerprint) or layout_for_fingerprint(fingerprint)
     if layout is None:
         return None
-    patches, dim = layout.pixel_shape(width, height)
-    return patches * dim * FP32_BYTES
+    try:
+        shape = family_for_layout(layout).pixel_shape(width, height)
+    except MmstoreError:  # a size the family cannot lay out: unknown, not a crash
+        return None
+    return int(np.prod(shape)) * FP32_BYTES
 
 
 def _aggregate(frame: pl.DataFrame, keys: list[str], *aggs: pl.Expr) -> pl.DataFrame:

@@ -16,8 +16,10 @@ from transformers import CLIPImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._adapters import QWEN_VL_IMAGE_TOKEN_ID, layout_for_fingerprint
+from mmstore._families import layout_for_fingerprint
 from mmstore._models import MediaRef
+
+QWEN_VL_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the published Qwen-VL tokenizers
 
 # (width, height)
 SIZES = [
@@ -144,8 +146,9 @@ def test_adapter_for_reads_the_live_processor(qwen3_processor):
     assert adapter.family == "qwen-vl"
     assert adapter.image_token_id == QWEN_VL_IMAGE_TOKEN_ID
     layout = adapter.layout
-    assert (layout.patch_size, layout.temporal_patch_size, layout.merge_size) == (16, 2, 2)
-    assert (layout.min_pixels, layout.max_pixels) == (65536, 16777216)
+    p = layout.param
+    assert (p("patch_size"), p("temporal_patch_size"), p("merge_size")) == (16, 2, 2)
+    assert (p("min_pixels"), p("max_pixels")) == (65536, 16777216)
     assert layout_for_fingerprint(adapter.fingerprint) == layout
 
 
@@ -163,16 +166,20 @@ def test_adapter_for_accepts_a_full_processor(small_processor):
 
 
 def test_adapter_for_accepts_a_real_qwen2vl_processor(small_processor):
-    pytest.importorskip("torchvision", reason="Qwen2VLProcessor's video processor needs it")
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     vocab = {"[UNK]": 0, "<|image_pad|>": 7, "<|video_pad|>": 8}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]"
     )
-    processor = Qwen2VLProcessor(image_processor=small_processor, tokenizer=tokenizer)
+    processor = Qwen2VLProcessor(
+        image_processor=small_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+    )
     assert mmstore.adapter_for(processor).image_token_id == 7
 
 
@@ -206,7 +213,6 @@ def test_adapter_refuses_a_processor_that_does_not_resize():
 
 
 def test_torchvision_backend_matches_the_pil_backend():
-    pytest.importorskip("torchvision", reason="the torchvision backend needs torchvision")
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
     processor = Qwen2VLImageProcessor(max_pixels=256 * 28 * 28)
@@ -290,7 +296,7 @@ def test_registry_keeps_the_family_token_id_whatever_adapter_came_last(small_pro
         sample_id="c", tokens=tokens, prompt_len=1, loss_mask=[1] * len(tokens), images=refs
     )
     mmstore.check_rollout(row, lambda fp: custom.layout)
-    with pytest.raises(mmstore.InvalidRolloutError, match="not the image placeholder"):
+    with pytest.raises(mmstore.InvalidRolloutError, match="not the qwen-vl expansion"):
         mmstore.check_rollout(row)
 
 
@@ -350,9 +356,11 @@ def test_expand_refuses_an_unrepresentable_image(adapter):
         adapter.expand([adapter.image_token_id], [_media(1, 500)])
 
 
-def test_check_grid_refuses_a_grid_that_does_not_fill_the_span(adapter):
+def test_check_output_refuses_a_grid_that_does_not_fill_the_span(adapter):
     _, [ref] = adapter.expand([adapter.image_token_id], [_media(640, 480)])
-    adapter.check_grid(adapter.grid(640, 480), ref, sample_id="s", image_index=0)
+    good = {"image_grid_thw": np.array([adapter.grid(640, 480)])}
+    adapter.check_output(good, ref, sample_id="s", image_index=0)
     with pytest.raises(mmstore.LayoutMismatchError) as info:
-        adapter.check_grid((1, 2, 2), ref, sample_id="s", image_index=3)
+        bad = {"image_grid_thw": np.array([[1, 2, 2]])}
+        adapter.check_output(bad, ref, sample_id="s", image_index=3)
     assert (info.value.sample_id, info.value.image_index, info.value.uri) == ("s", 3, ref.uri)

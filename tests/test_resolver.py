@@ -183,7 +183,8 @@ def test_cache_hit_still_checks_trust_and_claims(store, small_processor, refs):
 
 def test_byte_budget_evicts_least_recently_used(store, small_processor, refs):
     a, b, c = (wire.encode(r) for r in refs[:3])
-    entry = ok(resolve_wire_refs(store, [a], small_processor))["pixel_values"].nbytes
+    first = ok(resolve_wire_refs(store, [a], small_processor))
+    entry = first["pixel_values"].nbytes + first["image_grid_thw"].nbytes
     resolver = RefResolver(store, small_processor, cache_bytes=2 * entry + entry // 2)
 
     for request in ([a], [b], [a], [c]):  # c evicts b: a was used after b

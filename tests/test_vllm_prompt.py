@@ -140,7 +140,7 @@ def test_spans_an_engine_would_misread_are_refused(store, adapter, rollout):
     first = rollout.images[0]
     broken = list(rollout.tokens)
     broken[first.offset + 2] = 7
-    with pytest.raises(mmstore.InvalidRolloutError, match="repeated placeholder"):
+    with pytest.raises(mmstore.InvalidRolloutError, match="not the qwen-vl expansion"):
         vllm.to_vllm_prompt(store, rollout.model_copy(update={"tokens": broken}))
 
     stray = list(rollout.tokens)
@@ -153,7 +153,7 @@ def test_spans_an_engine_would_misread_are_refused(store, adapter, rollout):
         vllm.to_vllm_prompt(store, swapped)
 
     other = first.model_copy(update={"family": "llava"})
-    with pytest.raises(mmstore.InvalidRolloutError, match="qwen-vl"):
+    with pytest.raises(mmstore.InvalidRolloutError, match="unknown layout"):
         vllm.to_vllm_prompt(store, rollout.model_copy(update={"images": [other]}))
 
 

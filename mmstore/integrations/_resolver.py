@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from .._adapters import adapter_for
 from .._exceptions import (
     DecompressionBombError,
     HashMismatchError,
@@ -32,6 +31,7 @@ from .._exceptions import (
     UntrustedURIError,
     WireFormatError,
 )
+from .._families import adapter_for
 from .._models import ImageRef
 from .._store import Store
 from ..wire import decode
@@ -69,21 +69,21 @@ class RefRefused(Exception):
 class Materialized:
     """One image through the processor: what the cache holds for ``(hash, fingerprint)``."""
 
-    pixel_values: np.ndarray  # (patches, channels*t*p*p) float32, read-only
-    grid_thw: tuple[int, int, int]
+    tensors: dict[str, np.ndarray]  # the family's image tensors, floats float32, read-only
     width: int
     height: int
 
     @property
     def nbytes(self) -> int:
-        return int(self.pixel_values.nbytes)
+        return sum(int(t.nbytes) for t in self.tensors.values())
 
 
 class RefResolver:
     """Resolves wire refs against ``store`` for one image processor; share one per server.
 
-    ``resolve(wire_refs)`` returns ``{"pixel_values": float32 ndarray (all patches, in ref
-    order), "image_grid_thw": int64 ndarray (n, 3), "hashes": [str, ...]}`` or the error
+    ``resolve(wire_refs)`` returns the family's image tensors as numpy arrays, batched in
+    ref order (Qwen-VL: ``pixel_values`` float32, all patches; ``image_grid_thw`` int64
+    (n, 3)), plus ``"hashes": [str, ...]``, or the error
     dict. Thread-safe; ``cache_bytes`` bounds the processed pixels kept (LRU).
     """
 
@@ -161,24 +161,26 @@ class RefResolver:
                 "size_mismatch",
                 f"ref says {ref.width}x{ref.height}, the image is {image.width}x{image.height}",
             )
-        self.adapter.check_grid(image.grid_thw, ref, sample_id=None, image_index=index)
+        self.adapter.check_output(image.tensors, ref, sample_id=None, image_index=index)
         return image
 
     def _process(self, ref: ImageRef) -> Materialized:
         pil = self.store.open_image(ref.uri, ref.hash)
-        out = self.adapter.process([pil])
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        pixels.flags.writeable = False  # shared by every request that hits this entry
-        t, h, w = (int(x) for x in out["image_grid_thw"][0])
-        return Materialized(pixels, (t, h, w), pil.width, pil.height)
+        tensors = {}
+        for key, value in self.adapter.process([pil]).items():
+            array = np.ascontiguousarray(value)
+            array.flags.writeable = False  # shared by every request that hits this entry
+            tensors[key] = array
+        return Materialized(tensors, pil.width, pil.height)
 
     def _inputs(self, refs: Sequence[ImageRef], images: Sequence[Materialized]) -> dict[str, Any]:
-        layout = self.adapter.layout
-        row = 3 * layout.temporal_patch_size * layout.patch_size**2
-        pixels = [m.pixel_values for m in images] or [np.zeros((0, row), np.float32)]
+        import torch
+
+        batched = self.adapter.collate_images(
+            [{k: torch.from_numpy(v.copy()) for k, v in m.tensors.items()} for m in images]
+        )
         return {
-            "pixel_values": np.concatenate(pixels),
-            "image_grid_thw": np.array([m.grid_thw for m in images], np.int64).reshape(-1, 3),
+            **{k: v.numpy() for k, v in batched.items()},
             "hashes": [ref.hash for ref in refs],
         }
 

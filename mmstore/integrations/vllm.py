@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
-from .._adapters import QWEN_VL_FAMILY
 from .._exceptions import InvalidRolloutError, MmstoreError
+from .._families import Family, family_for_layout, layout_for_fingerprint
 from .._media import probe
 from .._models import ImageRef, Rollout
 from .._store import Store
@@ -162,19 +162,16 @@ def _prefix(rollout: Rollout, upto: int | None) -> tuple[list[int], list[ImageRe
 
 
 def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout) -> list[int]:
-    """Each span -> its single placeholder token; refuse spans an engine would misread."""
+    """Each span -> the one image token its family's chat template emits (vLLM expands it
+    back); refuse spans an engine would misread."""
     sid = rollout.sample_id
     ids = np.asarray(tokens, dtype=np.int64)
     in_span = np.zeros(len(ids), dtype=bool)
+    special: set[int] = set()
     out: list[int] = []
     cursor = 0
     for index, ref in enumerate(refs):
-        if ref.family != QWEN_VL_FAMILY:
-            raise InvalidRolloutError(
-                f"engine prompts are defined for the {QWEN_VL_FAMILY!r} layout, not {ref.family!r}",
-                sample_id=sid,
-                image_index=index,
-            )
+        family = _family(ref, sid, index)
         end = ref.offset + ref.length
         if ref.offset < cursor:
             raise InvalidRolloutError(
@@ -182,29 +179,44 @@ def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout)
                 sample_id=sid,
                 image_index=index,
             )
+        expected = family.expansion_array(ref.width, ref.height)
         span = ids[ref.offset : end]
-        if (span != span[0]).any():
+        if span.shape != expected.shape or (span != expected).any():
             raise InvalidRolloutError(
-                f"span [{ref.offset}, {end}) is not one repeated placeholder token",
+                f"span [{ref.offset}, {end}) is not the {family.family} expansion of a "
+                f"{ref.width}x{ref.height} image",
                 sample_id=sid,
                 image_index=index,
             )
         out.extend(tokens[cursor : ref.offset])
-        out.append(int(span[0]))
+        out.append(family.image_token_id)
         in_span[ref.offset : end] = True
+        special |= family.special_token_ids
         cursor = end
     out.extend(tokens[cursor:])
-    # The engine binds images to placeholder tokens in order: one outside a span would
-    # take the next image's place.
-    placeholders = np.unique(ids[in_span])
-    stray = np.flatnonzero(~in_span & np.isin(ids, placeholders))
+    # The engine binds images to image tokens in order: one outside a span would take the
+    # next image's place.
+    stray = np.flatnonzero(~in_span & np.isin(ids, sorted(special)))
     if stray.size:
         raise InvalidRolloutError(
-            f"placeholder token {int(ids[stray[0]])} at position {int(stray[0])} lies outside "
+            f"image token {int(ids[stray[0]])} at position {int(stray[0])} lies outside "
             "every image span",
             sample_id=sid,
         )
     return out
+
+
+def _family(ref: ImageRef, sid: str, index: int) -> Family:
+    """The family that laid ``ref`` out: an adapter built in this process must know it."""
+    layout = layout_for_fingerprint(ref.layout_fingerprint)
+    if layout is None or layout.family != ref.family:
+        raise InvalidRolloutError(
+            f"unknown layout {ref.layout_fingerprint!r} ({ref.family}): build its adapter "
+            "(mmstore.adapter_for) in this process first",
+            sample_id=sid,
+            image_index=index,
+        )
+    return family_for_layout(layout)
 
 
 def _decode(store: Store, ref: ImageRef) -> tuple[Image.Image, Size]:

@@ -1,0 +1,28 @@
+"""Model families: one small base protocol (:mod:`._base`), one module per family, and a
+registry from processor classes to families (:mod:`._registry`)."""
+
+from ._base import Collation, Family, Layout
+from ._registry import (
+    adapter_for,
+    family_class,
+    family_for_layout,
+    known_families,
+    layout_for_fingerprint,
+    layout_from_record,
+    register_family,
+    register_layout,
+)
+
+__all__ = [
+    "Collation",
+    "Family",
+    "Layout",
+    "adapter_for",
+    "family_class",
+    "family_for_layout",
+    "known_families",
+    "layout_for_fingerprint",
+    "layout_from_record",
+    "register_family",
+    "register_layout",
+]

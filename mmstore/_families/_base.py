@@ -1,0 +1,352 @@
+"""The family protocol: what mmstore must know of one model family's images.
+
+A :class:`Layout` is pure data: the family's name, the processor parameters that decide how
+an image becomes tokens (hashed into the fingerprint) and the tokenizer's ids of the family's
+image tokens (not hashed: they are tokenizer facts, not layout math). It is also the record
+each rollout file's footer keeps, so a reader can redo the layout math without the processor.
+
+A :class:`Family` is that layout plus behaviour. Bound to a live transformers image processor
+it is the *adapter* (``mmstore.adapter_for``): it expands image tokens, runs the processor,
+builds zero placeholders and collates the family's tensors. Built from a layout alone (a
+footer, a fingerprint seen in this process) it still answers every question of layout math:
+the expansion of an image, its token count, the shape of its pixels.
+
+Nothing outside the family modules names a family's tensors or token ids: the store, writer,
+loader, collate and the vLLM integration ask the family.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+import xxhash
+
+from .._exceptions import InvalidRolloutError, LayoutMismatchError, UnsupportedProcessorError
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from .._models import ImageRef, MediaRef
+
+# How one image tensor of a family is batched: "cat" concatenates the images' tensors along
+# their first axis (patch rows, or one row per image); "pad" zero-pads the trailing (spatial)
+# axes to the largest image of the batch first (Pixtral's native-resolution images).
+Collation = Literal["cat", "pad"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one family, with one set of processor parameters, lays images out as tokens."""
+
+    family: str
+    parameters: tuple[tuple[str, Any], ...]
+    token_ids: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def make(
+        cls, family: str, parameters: Mapping[str, Any], token_ids: Mapping[str, int]
+    ) -> Layout:
+        return cls(
+            family,
+            tuple(sorted(parameters.items())),
+            tuple(sorted((k, int(v)) for k, v in token_ids.items())),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        # family + layout parameters only. For Qwen-VL this is byte for byte the canonical
+        # JSON of the first release, so stored fingerprints never change.
+        canonical = json.dumps(
+            {"family": self.family, **dict(self.parameters)}, sort_keys=True, separators=(",", ":")
+        )
+        return xxhash.xxh3_64_hexdigest(canonical.encode())
+
+    def param(self, name: str) -> Any:
+        return dict(self.parameters)[name]
+
+    def token_id(self, name: str) -> int:
+        return dict(self.token_ids)[name]
+
+    @property
+    def image_token_id(self) -> int:
+        return self.token_id("image_token_id")
+
+    def params(self) -> dict[str, Any]:
+        """The footer record: family, layout parameters and token ids, flat."""
+        return {"family": self.family, **dict(self.parameters), **dict(self.token_ids)}
+
+
+class Family(ABC):
+    """One model family's image layout, processor call and model inputs.
+
+    Subclasses (one module per family) set the class attributes and implement the abstract
+    methods; :func:`mmstore.register_family` makes a third-party one known to ``adapter_for``.
+    """
+
+    #: the family's name, as rows record it in ``ImageRef.family``
+    name: ClassVar[str]
+    #: processor attributes that decide the layout (the fingerprint hashes exactly these)
+    parameter_names: ClassVar[tuple[str, ...]]
+    #: the family's published tokenizer ids; ``image_token_id`` is the one token a chat
+    #: template emits per image, ``pad_token_id`` pads batches
+    published_token_ids: ClassVar[Mapping[str, int]]
+    #: token strings, to read the same ids from a live tokenizer (same keys)
+    token_strings: ClassVar[Mapping[str, str]]
+    #: the image tensors the family's model takes, and how each is batched
+    image_inputs: ClassVar[Mapping[str, Collation]]
+    #: name of the per-token type tensor the model takes (1 on image features), if any
+    token_type_input: ClassVar[str | None] = None
+    #: rows of position ids: 1 for 1-D RoPE, 3 for M-RoPE (packing adds the text row)
+    position_rows: ClassVar[int] = 1
+
+    def __init__(self, layout: Layout, image_processor: Any = None) -> None:
+        if layout.family != self.name:
+            raise UnsupportedProcessorError(
+                f"layout of family {layout.family!r} given to the {self.name!r} family"
+            )
+        self.layout = layout
+        self.image_processor = image_processor
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_processor(cls, processor: Any, *, image_token_id: int | None = None) -> Family:
+        """Bind to a live image processor, or a full processor (image processor + tokenizer).
+
+        Token ids come from the full processor's tokenizer when there is one, else from the
+        family's published tokenizer (:attr:`published_token_ids`).
+        """
+        image_processor = getattr(processor, "image_processor", processor)
+        tokenizer = getattr(processor, "tokenizer", None)
+        token_ids = dict(cls.published_token_ids)
+        if tokenizer is not None:
+            token_ids.update(cls.read_token_ids(tokenizer))
+        if image_token_id is None and processor is not image_processor:
+            image_token_id = getattr(processor, "image_token_id", None)
+        if image_token_id is not None:
+            token_ids["image_token_id"] = int(image_token_id)
+        layout = Layout.make(cls.name, cls.read_parameters(image_processor), token_ids)
+        from ._registry import register_layout
+
+        register_layout(layout)
+        return cls(layout, image_processor)
+
+    @classmethod
+    @abstractmethod
+    def read_parameters(cls, image_processor: Any) -> dict[str, Any]:
+        """The layout parameters of a live image processor (refuse settings we cannot lay out)."""
+
+    @classmethod
+    def read_token_ids(cls, tokenizer: Any) -> dict[str, int]:
+        """This family's token ids in ``tokenizer`` (those it has; published ids fill the rest)."""
+        ids: dict[str, int] = {}
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for key, text in cls.token_strings.items():
+            token_id = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(token_id, int) and token_id != unk:
+                ids[key] = token_id
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if isinstance(pad, int):
+            ids["pad_token_id"] = pad
+        return ids
+
+    def __repr__(self) -> str:
+        backend = type(self.image_processor).__name__ if self.image_processor else "layout only"
+        return f"{type(self).__name__}({backend}, fingerprint={self.fingerprint!r})"
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def family(self) -> str:
+        return self.layout.family
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout.fingerprint
+
+    @property
+    def image_token_id(self) -> int:
+        """The one token a chat template emits per image (what vLLM expands)."""
+        return self.layout.image_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.layout.token_id("pad_token_id")
+
+    @property
+    def feature_token_id(self) -> int:
+        """The token whose positions receive the image's features (its token type is 1)."""
+        return self.image_token_id
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Tokens that occur only inside image spans: one outside a span is a stray image."""
+        return frozenset({self.image_token_id, self.feature_token_id})
+
+    # -- layout math (no processor needed) --------------------------------------------
+
+    @abstractmethod
+    def expansion(self, width: int, height: int) -> list[int]:
+        """The exact tokens one image of this size becomes in the model's input."""
+
+    def num_tokens(self, width: int, height: int) -> int:
+        return len(self.expansion(width, height))
+
+    def expansion_array(self, width: int, height: int) -> np.ndarray:
+        """:meth:`expansion` as a read-only int64 array, cached (checked on every read)."""
+        return _cached_expansion(self, width, height)
+
+    @abstractmethod
+    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
+        """Zero tensors of exactly the shapes the processor gives one image of this size."""
+
+    def pixel_shape(self, width: int, height: int) -> tuple[int, ...]:
+        """Shape of one image's float ``pixel_values`` (for dense-size estimates)."""
+        return tuple(self.placeholder(width, height)["pixel_values"].shape)
+
+    @property
+    @abstractmethod
+    def dummy_size(self) -> tuple[int, int]:
+        """(width, height) of the smallest image the family lays out (the FSDP dummy)."""
+
+    # -- the processor ----------------------------------------------------------------
+
+    def process(self, images: Sequence[Image.Image]) -> dict[str, np.ndarray]:
+        """Run the real image processor on ``images``; the model's image tensors, numpy."""
+        if self.image_processor is None:
+            raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
+        out = self.image_processor(images=list(images), **self.processor_kwargs())
+        return {key: np.asarray(out[key]) for key in self.image_inputs}
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        return {"return_tensors": "np"}
+
+    @abstractmethod
+    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
+        """How many span tokens one image's processor output fills."""
+
+    def check_output(
+        self, outputs: Mapping[str, Any], ref: ImageRef, *, sample_id: str | None, image_index: int
+    ) -> None:
+        """Refuse processor output that does not fill the stored span exactly."""
+        produced = self.output_tokens(outputs)
+        if produced != ref.length:
+            raise LayoutMismatchError(
+                f"processor output fills {produced} image tokens, the span holds {ref.length}",
+                sample_id=sample_id,
+                image_index=image_index,
+                uri=ref.uri,
+            )
+
+    # -- batches ----------------------------------------------------------------------
+
+    @property
+    def model_input_names(self) -> tuple[str, ...]:
+        """The padded batch's keys that the family's transformers model takes."""
+        extra = (self.token_type_input,) if self.token_type_input else ()
+        return ("input_ids", "attention_mask", *self.image_inputs, *extra)
+
+    def token_types(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token type tensors the model needs, from the ids alone (1 on image features)."""
+        if self.token_type_input is None:
+            return {}
+        return {self.token_type_input: (input_ids == self.feature_token_id).to(torch_int32())}
+
+    def collate_images(
+        self, images: Sequence[Mapping[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """The image tensors of a batch, in image order, batched as :attr:`image_inputs` says."""
+        from .._collate import concat, pad_and_concat
+
+        if not images:
+            w, h = self.dummy_size
+            empty = self.placeholder(w, h)
+            import torch
+
+            return {k: torch.from_numpy(empty[k][:0]) for k in self.image_inputs}
+        out: dict[str, torch.Tensor] = {}
+        for key, how in self.image_inputs.items():
+            tensors = [image[key] for image in images]
+            out[key] = concat(tensors) if how == "cat" else pad_and_concat(tensors)
+        return out
+
+    def position_ids(
+        self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Position ids of one sample run alone, ``[position_rows, L]`` (1-D RoPE: 0..L-1)."""
+        import torch
+
+        return torch.arange(input_ids.shape[-1], dtype=torch.int64)[None]
+
+    # -- the rollout side -------------------------------------------------------------
+
+    def expand(
+        self, token_ids: Sequence[int], media: Sequence[MediaRef | ImageRef]
+    ) -> tuple[list[int], list[ImageRef]]:
+        """Replace the i-th image token by the expansion of ``media[i]``; tokens and refs.
+
+        The returned refs carry their spans, this family's name and fingerprint.
+        """
+        from .._models import ImageRef
+
+        token_list = [int(t) for t in token_ids]
+        positions = [i for i, t in enumerate(token_list) if t == self.image_token_id]
+        if len(positions) != len(media):
+            raise InvalidRolloutError(
+                f"{len(positions)} image placeholder tokens ({self.image_token_id}) but "
+                f"{len(media)} images to expand: put one adapter.image_token_id in the prompt "
+                "per image"
+            )
+        out: list[int] = []
+        refs: list[ImageRef] = []
+        start = 0
+        for pos, item in zip(positions, media, strict=True):
+            out.extend(token_list[start:pos])
+            expansion = self.expansion(item.width, item.height)
+            refs.append(
+                ImageRef(
+                    uri=item.uri,
+                    hash=item.hash,
+                    width=item.width,
+                    height=item.height,
+                    nbytes=item.nbytes,
+                    offset=len(out),
+                    length=len(expansion),
+                    family=self.family,
+                    layout_fingerprint=self.fingerprint,
+                    payload=getattr(item, "payload", None),
+                )
+            )
+            out.extend(expansion)
+            start = pos + 1
+        out.extend(token_list[start:])
+        return out, refs
+
+
+@lru_cache(maxsize=4096)
+def _cached_expansion(family: Family, width: int, height: int) -> np.ndarray:
+    array = np.asarray(family.expansion(width, height), dtype=np.int64)
+    array.flags.writeable = False
+    return array
+
+
+def torch_int32() -> Any:
+    import torch
+
+    return torch.int32
+
+
+def size_value(size: Any, *keys: str) -> int:
+    """The first of ``keys`` set in a processor's ``size`` (a dict or a SizeDict)."""
+    for key in keys:
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        if value is not None:
+            return int(value)
+    raise UnsupportedProcessorError(f"image processor size has none of {keys}: {size!r}")

@@ -1,0 +1,136 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one layout, either transformers backend.
+
+An image is resized to multiples of ``patch_size * merge_size`` within [min_pixels,
+max_pixels] (transformers' own ``smart_resize``), cut into ``temporal_patch_size`` x patch x
+patch patches, and each ``merge_size**2`` patches become one ``<|image_pad|>`` token: the
+expansion is that one token repeated. The model takes ``pixel_values`` (patch rows),
+``image_grid_thw`` and ``mm_token_type_ids``; positions are M-RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .._exceptions import ImageSizeError, UnsupportedProcessorError
+from ._base import Collation, Family, size_value
+
+if TYPE_CHECKING:
+    import torch
+
+
+class QwenVL(Family):
+    name = "qwen-vl"
+    parameter_names = (
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "min_pixels",
+        "max_pixels",
+    )
+    # Qwen2-VL / 2.5-VL / 3-VL tokenizers: `<|image_pad|>` and `<|endoftext|>` (the pad token).
+    published_token_ids: ClassVar[Mapping[str, int]] = {
+        "image_token_id": 151655,
+        "pad_token_id": 151643,
+    }
+    token_strings: ClassVar[Mapping[str, str]] = {
+        "image_token_id": "<|image_pad|>",
+        "pad_token_id": "<|endoftext|>",
+    }
+    image_inputs: ClassVar[Mapping[str, Collation]] = {
+        "pixel_values": "cat",
+        "image_grid_thw": "cat",
+    }
+    token_type_input = "mm_token_type_ids"
+    position_rows = 3
+
+    @classmethod
+    def read_parameters(cls, image_processor: Any) -> dict[str, Any]:
+        if not getattr(image_processor, "do_resize", True):
+            # Without smart_resize the grid is the raw size, which the layout cannot promise.
+            raise UnsupportedProcessorError(
+                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
+                "the Qwen-VL one (images must be resized to multiples of patch*merge)"
+            )
+        size = image_processor.size
+        return {
+            "patch_size": int(image_processor.patch_size),
+            "temporal_patch_size": int(image_processor.temporal_patch_size),
+            "merge_size": int(image_processor.merge_size),
+            "min_pixels": size_value(size, "shortest_edge", "min_pixels"),
+            "max_pixels": size_value(size, "longest_edge", "max_pixels"),
+        }
+
+    # -- layout math --------------------------------------------------------------------
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
+        if width <= 0 or height <= 0:
+            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+        p = self.layout.param
+        try:
+            resized_h, resized_w = _smart_resize()(
+                height,
+                width,
+                factor=p("patch_size") * p("merge_size"),
+                min_pixels=p("min_pixels"),
+                max_pixels=p("max_pixels"),
+            )
+        except ValueError as exc:  # transformers refuses aspect ratios above 200
+            raise ImageSizeError(
+                f"{self.family} cannot lay out a {width}x{height} image: {exc}"
+            ) from None
+        return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
+
+    def num_tokens(self, width: int, height: int) -> int:
+        t, h, w = self.grid(width, height)
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    def expansion(self, width: int, height: int) -> list[int]:
+        return [self.image_token_id] * self.num_tokens(width, height)
+
+    def pixel_shape(self, width: int, height: int) -> tuple[int, int]:
+        """Shape of this image's rows of ``pixel_values``: (patches, channels*t*p*p)."""
+        t, h, w = self.grid(width, height)
+        p = self.layout.param
+        return t * h * w, 3 * p("temporal_patch_size") * p("patch_size") ** 2
+
+    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
+        return {
+            "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
+            "image_grid_thw": np.array([self.grid(width, height)], dtype=np.int64),
+        }
+
+    @property
+    def dummy_size(self) -> tuple[int, int]:
+        side = self.layout.param("patch_size") * self.layout.param("merge_size")
+        return side, side
+
+    # -- the processor ------------------------------------------------------------------
+
+    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
+        out = super().process(images)
+        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
+        return out
+
+    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
+        t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    def position_ids(
+        self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        raise NotImplementedError("Qwen-VL M-RoPE position ids come with packing")
+
+
+def _smart_resize() -> Any:
+    """transformers' own ``smart_resize``, imported on first use.
+
+    Importing it pulls in transformers' image stack (and torch, ~4 s): the CLI, polars
+    notebooks and the rollout side's ``import mmstore`` should not pay that up front.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize
