@@ -132,7 +132,8 @@ class Family(ABC):
             image_token_id = getattr(processor, "image_token_id", None)
         if image_token_id is not None:
             token_ids["image_token_id"] = int(image_token_id)
-        layout = Layout.make(cls.name, cls.read_parameters(image_processor), token_ids)
+        parameters = cls.read_parameters(image_processor, processor)
+        layout = Layout.make(cls.name, parameters, token_ids)
         from ._registry import register_layout
 
         register_layout(layout)
@@ -140,8 +141,12 @@ class Family(ABC):
 
     @classmethod
     @abstractmethod
-    def read_parameters(cls, image_processor: Any) -> dict[str, Any]:
-        """The layout parameters of a live image processor (refuse settings we cannot lay out)."""
+    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
+        """The layout parameters of a live image processor (refuse settings we cannot lay out).
+
+        ``processor`` is the full processor when one was given, else the image processor
+        itself: some families keep layout parameters there (Gemma 3's image_seq_length).
+        """
 
     @classmethod
     def read_token_ids(cls, tokenizer: Any) -> dict[str, int]:

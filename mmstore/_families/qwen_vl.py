@@ -47,7 +47,7 @@ class QwenVL(Family):
     position_rows = 3
 
     @classmethod
-    def read_parameters(cls, image_processor: Any) -> dict[str, Any]:
+    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
         if not getattr(image_processor, "do_resize", True):
             # Without smart_resize the grid is the raw size, which the layout cannot promise.
             raise UnsupportedProcessorError(
