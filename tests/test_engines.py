@@ -57,9 +57,12 @@ def test_default_inference_is_what_the_recipes_fix(root):
 
 
 def test_pyarrow(root):
-    part = ds.partitioning(pa.schema([("run_id", pa.string()), ("step", pa.int32())]), flavor="hive")
+    part = ds.partitioning(
+        pa.schema([("run_id", pa.string()), ("step", pa.int32())]), flavor="hive"
+    )
     table = ds.dataset(f"{root}/rollouts", format="parquet", partitioning=part).to_table()
-    check(list(zip(*(table.column(c).to_pylist() for c in ("run_id", "step", "sample_id")))))
+    columns = (table.column(c).to_pylist() for c in ("run_id", "step", "sample_id"))
+    check(list(zip(*columns, strict=True)))
 
 
 def test_polars(root):
@@ -82,7 +85,9 @@ def test_duckdb(root):
 
 def test_hf_datasets(root):
     datasets = pytest.importorskip("datasets")
-    part = ds.partitioning(pa.schema([("run_id", pa.string()), ("step", pa.int32())]), flavor="hive")
+    part = ds.partitioning(
+        pa.schema([("run_id", pa.string()), ("step", pa.int32())]), flavor="hive"
+    )
     hf = datasets.Dataset(ds.dataset(f"{root}/rollouts", partitioning=part).to_table())
     check(list(zip(hf["run_id"], hf["step"], hf["sample_id"], strict=True)))
 
