@@ -309,18 +309,26 @@ class RolloutLoader:
             ds.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last) for r in ranks
         )
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        total = len(self)
-        stream = _BatchStream(
+    def _stream(self, epoch: int, start: int, total: int) -> _BatchStream:
+        return _BatchStream(
             self.dataset,
-            epoch=self.epoch,
-            start=self.batches_yielded,
+            epoch=epoch,
+            start=start,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             dummy_image=self.dummy_image,
             pad_token_id=self.pad_token_id,
             total=total,
         )
+
+    def build_batch(self, epoch: int, index: int) -> dict[str, Any]:
+        """Batch ``index`` of ``epoch`` on this rank, built in this process: what a worker
+        builds (for executors other than DataLoader workers, e.g. Ray actors)."""
+        return next(iter(self._stream(epoch, index, index + 1)))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        total = len(self)
+        stream = self._stream(self.epoch, self.batches_yielded, total)
         loader = DataLoader(
             stream,
             batch_size=None,

@@ -97,7 +97,7 @@ def test_ray_data(root):
     ray = pytest.importorskip("ray")
     from ray.data.datasource import Partitioning
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         data = ray.data.read_parquet(
             f"{root}/rollouts",
