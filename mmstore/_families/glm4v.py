@@ -167,7 +167,9 @@ class Glm4v(Family):
                 f"{runs} runs of image tokens for {len(grids)} images: GLM-4V needs text (its "
                 "chat template's <|end_of_image|><|begin_of_image|>) between adjacent images"
             )
-        position_ids, _ = Glm4vModel.get_rope_index(
+        # unbound, on an owner holding just what it reads (typed LongTensor; any tensor works)
+        get_rope_index: Any = Glm4vModel.get_rope_index
+        position_ids, _ = get_rope_index(
             _rope_owner(self.layout.param("merge_size")),
             ids,
             types_,
