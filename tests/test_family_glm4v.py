@@ -272,6 +272,12 @@ def test_layout_parameters_and_refused_settings():
         assert other.fingerprint != adapter.fingerprint, change
     with pytest.raises(mmstore.UnsupportedProcessorError, match="do_resize"):
         mmstore.adapter_for(Glm4vImageProcessorPil(do_resize=False))
+    # a fixed size: GLM's resize refuses it at call time, the adapter when it is built
+    fixed = Glm4vImageProcessorPil(size={"height": 224, "width": 224})
+    with pytest.raises(ValueError, match="shortest_edge"):
+        fixed(images=[_image(56, 56)])
+    with pytest.raises(mmstore.UnsupportedProcessorError, match="shortest_edge"):
+        mmstore.adapter_for(fixed)
 
 
 def test_fingerprint_differs_from_qwen_vl_with_the_same_numbers():
