@@ -21,6 +21,7 @@ _TF = "transformers.models."
 # family name -> "module.Class" of its Family
 _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
+    "glm4v": "mmstore._families.glm4v.Glm4v",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -28,6 +29,9 @@ _PROCESSORS: dict[str, str] = {
     # Qwen2-VL; transformers 5 maps Qwen2.5-VL and Qwen3-VL checkpoints to these same classes.
     _TF + "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil": "qwen-vl",
     _TF + "qwen2_vl.image_processing_qwen2_vl.Qwen2VLImageProcessor": "qwen-vl",
+    # GLM-4.1V; transformers 5 maps GLM-4.5V (glm4v_moe) checkpoints to these same classes.
+    _TF + "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil": "glm4v",
+    _TF + "glm4v.image_processing_glm4v.Glm4vImageProcessor": "glm4v",
 }
 
 _LOADED: dict[str, type[Family]] = {}

@@ -1,0 +1,202 @@
+"""GLM-4.1V and GLM-4.5V: one layout, either transformers backend (PIL or torchvision).
+
+The chat template emits ``<|begin_of_image|><|image|><|end_of_image|>`` per image, and
+``Glm4vProcessor`` (like vLLM's ``glm4_1v``) replaces only the ``<|image|>`` between them: by
+``<|image|>`` repeated once per merged patch. So the *expansion* is that one token repeated,
+and the begin/end-of-image tokens are ordinary text around the span (a row keeps them where
+the template put them; they are not image features and may appear outside spans).
+
+GLM's resize is its own ``smart_resize`` (transformers' ``glm4v`` module): images smaller
+than ``patch*merge`` on a side are scaled up first, and the pixel budget counts the
+``temporal_patch_size`` frames an image is repeated into, so ``max_pixels`` admits half as
+many image pixels as Qwen's rule would. The model takes ``pixel_values`` (patch rows),
+``image_grid_thw`` and ``mm_token_type_ids``; positions are M-RoPE (the model's own
+``get_rope_index``).
+
+Token ids. GLM-4.1V and GLM-4.5V share the image processor but not the image token:
+``<|image|>`` is 151343 in GLM-4.1V's tokenizer and 151363 in GLM-4.5V's (transformers'
+``Glm4vConfig`` / ``Glm4vMoeConfig`` defaults, as in the checkpoints' config.json). An image
+processor alone cannot tell them apart, so the published ids are GLM-4.1V's; for GLM-4.5V
+build the adapter from the full processor (its tokenizer supplies the ids) or pass
+``image_token_id=151363``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .._exceptions import ImageSizeError, InvalidRolloutError, UnsupportedProcessorError
+from ._base import Collation, Family, size_value
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Glm4v(Family):
+    name = "glm4v"
+    parameter_names = (
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "min_pixels",
+        "max_pixels",
+    )
+    # GLM-4.1V-9B's tokenizer (zai-org/GLM-4.1V-9B-Thinking): `<|image|>` 151343 is its config's
+    # image_token_id (transformers' Glm4vConfig default); `<|begin_of_image|>` 151339 and
+    # `<|end_of_image|>` 151340 are its image_start/end_token_id; `<|endoftext|>` 151329 is the
+    # tokenizer's pad token (the first of the GLM-4 tokenizer's added special tokens).
+    published_token_ids: ClassVar[Mapping[str, int]] = {
+        "image_token_id": 151343,
+        "image_start_token_id": 151339,
+        "image_end_token_id": 151340,
+        "pad_token_id": 151329,
+    }
+    token_strings: ClassVar[Mapping[str, str]] = {
+        "image_token_id": "<|image|>",
+        "image_start_token_id": "<|begin_of_image|>",
+        "image_end_token_id": "<|end_of_image|>",
+        "pad_token_id": "<|endoftext|>",
+    }
+    image_inputs: ClassVar[Mapping[str, Collation]] = {
+        "pixel_values": "cat",
+        "image_grid_thw": "cat",
+    }
+    token_type_input = "mm_token_type_ids"
+    position_rows = 3
+
+    @classmethod
+    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
+        if not getattr(image_processor, "do_resize", True):
+            # Without smart_resize the grid is the raw size, which the layout cannot promise.
+            raise UnsupportedProcessorError(
+                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
+                "the GLM-4V one (images must be resized to multiples of patch*merge)"
+            )
+        size = image_processor.size
+        # The processor's resize reads exactly these two keys (and refuses a size without them).
+        return {
+            "patch_size": int(image_processor.patch_size),
+            "temporal_patch_size": int(image_processor.temporal_patch_size),
+            "merge_size": int(image_processor.merge_size),
+            "min_pixels": size_value(size, "shortest_edge"),
+            "max_pixels": size_value(size, "longest_edge"),
+        }
+
+    # -- layout math --------------------------------------------------------------------
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
+        if width <= 0 or height <= 0:
+            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+        p = self.layout.param
+        temporal = p("temporal_patch_size")
+        try:
+            resized_h, resized_w = _smart_resize()(
+                num_frames=temporal,  # an image is `temporal` identical frames
+                height=height,
+                width=width,
+                temporal_factor=temporal,
+                factor=p("patch_size") * p("merge_size"),
+                min_pixels=p("min_pixels"),
+                max_pixels=p("max_pixels"),
+            )
+        except ValueError as exc:  # transformers refuses aspect ratios above 200
+            raise ImageSizeError(
+                f"{self.family} cannot lay out a {width}x{height} image: {exc}"
+            ) from None
+        return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
+
+    def num_tokens(self, width: int, height: int) -> int:
+        t, h, w = self.grid(width, height)
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    def expansion(self, width: int, height: int) -> list[int]:
+        return [self.image_token_id] * self.num_tokens(width, height)
+
+    def pixel_shape(self, width: int, height: int) -> tuple[int, int]:
+        """Shape of this image's rows of ``pixel_values``: (patches, channels*t*p*p)."""
+        t, h, w = self.grid(width, height)
+        p = self.layout.param
+        return t * h * w, 3 * p("temporal_patch_size") * p("patch_size") ** 2
+
+    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
+        return {
+            "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
+            "image_grid_thw": np.array([self.grid(width, height)], dtype=np.int64),
+        }
+
+    @property
+    def dummy_size(self) -> tuple[int, int]:
+        # smart_resize scales it up to min_pixels; any size is laid out, this one is cheapest.
+        side = self.layout.param("patch_size") * self.layout.param("merge_size")
+        return side, side
+
+    # -- the processor ------------------------------------------------------------------
+
+    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
+        out = super().process(images)
+        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
+        return out
+
+    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
+        t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    # -- positions ----------------------------------------------------------------------
+
+    def position_ids(
+        self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """M-RoPE positions ``[3, L]`` of one sample, from the model's own ``get_rope_index``."""
+        import torch
+        from transformers.models.glm4v.modeling_glm4v import Glm4vModel
+
+        ids = input_ids.reshape(1, -1)
+        types_ = self.token_types(ids)[self.token_type_input]
+        grids = [image["image_grid_thw"].reshape(-1, 3) for image in images]
+        # get_rope_index binds the i-th run of image tokens to the i-th grid: two spans with no
+        # text between them (the template's end/begin-of-image tokens) would merge into one.
+        runs = sum(1 for key, _ in itertools.groupby(types_[0].tolist()) if key == 1)
+        if runs != len(grids):
+            raise InvalidRolloutError(
+                f"{runs} runs of image tokens for {len(grids)} images: GLM-4V needs text (its "
+                "chat template's <|end_of_image|><|begin_of_image|>) between adjacent images"
+            )
+        # unbound, on an owner holding just what it reads (typed LongTensor; any tensor works)
+        get_rope_index: Any = Glm4vModel.get_rope_index
+        position_ids, _ = get_rope_index(
+            _rope_owner(self.layout.param("merge_size")),
+            ids,
+            types_,
+            image_grid_thw=torch.cat(grids) if grids else None,
+        )
+        return position_ids[:, 0]
+
+
+def _rope_owner(merge_size: int) -> Any:
+    """The two attributes of a ``Glm4vModel`` that ``get_rope_index`` reads, without weights."""
+    from transformers.models.glm4v.modeling_glm4v import Glm4vModel
+
+    owner = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            vision_config=types.SimpleNamespace(spatial_merge_size=merge_size)
+        )
+    )
+    owner.get_vision_position_ids = types.MethodType(Glm4vModel.get_vision_position_ids, owner)
+    return owner
+
+
+def _smart_resize() -> Any:
+    """transformers' GLM-4V ``smart_resize``, imported on first use.
+
+    The PIL module's copy ("Copied from" the torchvision module's, so both backends resize
+    alike) keeps torchvision out of layout math; ``import mmstore`` imports neither.
+    """
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
+
+    return smart_resize
