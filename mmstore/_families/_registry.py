@@ -21,6 +21,7 @@ _TF = "transformers.models."
 # family name -> "module.Class" of its Family
 _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
+    "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -28,6 +29,7 @@ _PROCESSORS: dict[str, str] = {
     # Qwen2-VL; transformers 5 maps Qwen2.5-VL and Qwen3-VL checkpoints to these same classes.
     _TF + "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil": "qwen-vl",
     _TF + "qwen2_vl.image_processing_qwen2_vl.Qwen2VLImageProcessor": "qwen-vl",
+    _TF + "kimi_k25.image_processing_kimi_k25.Kimi_K25ImageProcessor": "kimi-k25",
 }
 
 _LOADED: dict[str, type[Family]] = {}
