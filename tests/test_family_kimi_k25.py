@@ -434,9 +434,9 @@ def test_missing_media_gives_placeholders_the_model_accepts(
 
 
 def test_vllm_prompt_collapses_each_span_to_one_media_pad(tmp_path, published_processor):
-    # vLLM's Kimi-K2.5 (vllm/model_executor/models/kimi_k25.py) takes the image as
-    # "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>" and its
-    # _get_prompt_updates replaces [media_placeholder_token_id] by that id repeated.
+    # vLLM's Kimi-K2.5 (vllm/model_executor/models/kimi_k25.py) writes an image as
+    # "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>" (get_placeholder_str)
+    # and its _get_prompt_updates replaces [media_placeholder_token_id] by that id repeated.
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(published_processor)
     media = [store.put_image(photo(1, 56, 42)), store.put_image(photo(2, 300, 200))]
@@ -450,5 +450,11 @@ def test_vllm_prompt_collapses_each_span_to_one_media_pad(tmp_path, published_pr
     pads = [i for i, t in enumerate(request["prompt_token_ids"]) if t == 163605]
     assert all(request["prompt_token_ids"][p - 1] == 163603 for p in pads)
     assert all(request["prompt_token_ids"][p + 1] == 163604 for p in pads)
-    assert len(pads) == len(request["multi_modal_data"]["image"]) == 2
-    assert request["multi_modal_uuids"]["image"] == [m.hash for m in media]
+    # vLLM's Kimi-K2.5 takes images as "vision_chunk" items (VisionChunkImage dicts).
+    chunks = request["multi_modal_data"]["vision_chunk"]
+    assert set(request["multi_modal_data"]) == set(request["multi_modal_uuids"]) == {"vision_chunk"}
+    assert len(pads) == len(chunks) == 2
+    assert [c["type"] for c in chunks] == ["image", "image"]
+    assert [c["image"].size for c in chunks] == [(56, 42), (300, 200)]
+    assert [c["uuid"] for c in chunks] == [m.hash for m in media]
+    assert request["multi_modal_uuids"]["vision_chunk"] == [m.hash for m in media]

@@ -48,6 +48,11 @@ class KimiK25(Family):
         "pixel_values": "cat",
         "image_grid_thw": "cat",
     }
+    # vLLM's Kimi-K2.5 (config `use_unified_vision_chunk`) takes images and video chunks as
+    # one "vision_chunk" modality, each image a `VisionChunkImage` dict; its prompt update
+    # replaces each `<|media_pad|>` by the image's count of `<|media_pad|>` (vLLM's
+    # model_executor/models/kimi_k25.py, `_get_prompt_updates`).
+    vllm_modality = "vision_chunk"
 
     @classmethod
     def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
@@ -125,6 +130,9 @@ class KimiK25(Family):
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
         t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
         return t * h * w // self.layout.param("merge_size") ** 2
+
+    def vllm_item(self, image: Any, uuid: str) -> dict[str, Any]:
+        return {"type": "image", "image": image, "uuid": uuid}
 
     # -- batches ------------------------------------------------------------------------
 
