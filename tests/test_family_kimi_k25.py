@@ -430,6 +430,23 @@ def test_missing_media_gives_placeholders_the_model_accepts(
         list(mmstore.RolloutLoader(mmstore.RolloutDataset(store, small_processor), batch_size=2))
 
 
+def test_debug_summary_and_the_wire_resolver_know_the_family(tmp_path, small_processor):
+    from mmstore import debug, wire
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    rows = _fill(store, adapter, small_processor)
+    refs = [ref for row in rows for ref in row.images]
+    # dense bytes from the footer's layout record: fp32 pixel_values of every ref
+    pixels = sum(adapter.placeholder(r.width, r.height)["pixel_values"].size for r in refs)
+    total = debug.summary(store, by=()).row(0, named=True)
+    assert total["images"] == 3 and total["dense_fp32_bytes"] == 4 * pixels
+
+    out = vllm.resolve_wire_refs(store, [wire.encode(r) for r in refs], small_processor)
+    assert out["image_grid_thw"].tolist() == [list(adapter.grid(r.width, r.height)) for r in refs]
+    assert out["pixel_values"].shape == (int(out["image_grid_thw"].prod(-1).sum()), 3, 14, 14)
+
+
 # -- 6. vLLM -------------------------------------------------------------------------------
 
 
