@@ -105,6 +105,8 @@ class Family(ABC):
     token_type_input: ClassVar[str | None] = None
     #: rows of position ids: 1 for 1-D RoPE, 3 for M-RoPE (packing adds the text row)
     position_rows: ClassVar[int] = 1
+    #: the ``multi_modal_data`` key vLLM's processor for this family takes its images under
+    vllm_modality: ClassVar[str] = "image"
 
     def __init__(self, layout: Layout, image_processor: Any = None) -> None:
         if layout.family != self.name:
@@ -289,6 +291,10 @@ class Family(ABC):
         import torch
 
         return torch.arange(input_ids.shape[-1], dtype=torch.int64)[None]
+
+    def vllm_item(self, image: Image.Image, uuid: str) -> Any:
+        """One image as an item of vLLM's ``multi_modal_data[vllm_modality]`` (the image)."""
+        return image
 
     # -- the rollout side -------------------------------------------------------------
 

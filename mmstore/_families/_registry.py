@@ -22,6 +22,7 @@ _TF = "transformers.models."
 _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
     "glm4v": "mmstore._families.glm4v.Glm4v",
+    "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -32,6 +33,7 @@ _PROCESSORS: dict[str, str] = {
     # GLM-4.1V; transformers 5 maps GLM-4.5V (glm4v_moe) checkpoints to these same classes.
     _TF + "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil": "glm4v",
     _TF + "glm4v.image_processing_glm4v.Glm4vImageProcessor": "glm4v",
+    _TF + "kimi_k25.image_processing_kimi_k25.Kimi_K25ImageProcessor": "kimi-k25",
 }
 
 _LOADED: dict[str, type[Family]] = {}

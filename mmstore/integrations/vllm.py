@@ -67,17 +67,24 @@ def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> d
 
     ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [PIL RGB, ...]},
     "multi_modal_uuids": {"image": [content hash, ...]}}``, one image and one uuid per span in
-    span order; the two multimodal keys are absent when the prefix holds no image. Each span
+    span order (the key and item are the family's: Kimi-K2.5 takes ``"vision_chunk"``
+    items); the two multimodal keys are absent when the prefix holds no image. Each span
     becomes one placeholder token (vLLM expands it, see the module notes). Images are decoded
     from hash-verified bytes; the content hash as uuid lets vLLM's multimodal cache skip an
     image it has processed. ``upto`` cutting inside a span is an :class:`InvalidRolloutError`.
     """
     tokens, refs = _prefix(rollout, upto)
     prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout)}
-    if refs:
-        images = [_verified(store, rollout, i, ref, _decode) for i, ref in enumerate(refs)]
-        prompt["multi_modal_data"] = {"image": images}
-        prompt["multi_modal_uuids"] = {"image": [ref.hash for ref in refs]}
+    data: dict[str, list[Any]] = {}
+    uuids: dict[str, list[str]] = {}
+    for i, ref in enumerate(refs):
+        # The family names vLLM's key and item (Kimi-K2.5: "vision_chunk" dicts).
+        family = _family(ref, rollout.sample_id, i)
+        image = _verified(store, rollout, i, ref, _decode)
+        data.setdefault(family.vllm_modality, []).append(family.vllm_item(image, ref.hash))
+        uuids.setdefault(family.vllm_modality, []).append(ref.hash)
+    if data:
+        prompt["multi_modal_data"], prompt["multi_modal_uuids"] = data, uuids
     return prompt
 
 

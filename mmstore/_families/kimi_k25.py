@@ -1,0 +1,154 @@
+"""Kimi-K2.5: MoonViT's native-resolution ("navit") layout, torchvision backend only.
+
+An image is scaled down (never up) until it has at most ``max_patches`` patches and at most
+``max_size_per_side`` patches on a side, then zero-padded on the bottom and right to multiples
+of ``patch_size * merge_size`` (transformers' own ``navit_resize``); each ``merge_size**2``
+patches become one ``<|media_pad|>``. The chat template wraps the image as
+``<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`` and the processor (and
+vLLM) replace only the ``<|media_pad|>``: the expansion is that one token repeated, and the
+begin/content/end tokens stay outside the span as ordinary text.
+
+The model takes ``pixel_values`` (one ``[3, patch, patch]`` row per patch, concatenated over
+the batch's images) and ``image_grid_thw``; the DeepSeek-V3 text model uses 1-D RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .._exceptions import ImageSizeError, UnsupportedProcessorError
+from ._base import Collation, Family, size_value
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KimiK25(Family):
+    name = "kimi-k25"
+    # The processor attributes navit_resize and patchify read; nothing else moves a token.
+    parameter_names = ("patch_size", "merge_size", "max_patches", "max_size_per_side")
+    # Kimi-K2.5's published ids: `image_token_id` is transformers' Kimi_K25Config default and
+    # the checkpoint's config.json `media_placeholder_token_id` (163605, `<|media_pad|>`);
+    # `pad_token_id` is that config.json's `pad_token_id` (163839, the Kimi-K2 tokenizer's
+    # `[PAD]`, also transformers' KimiLinearConfig default for the same tokenizer). The
+    # chat template's `<|media_begin|>` (163602) and `<|media_end|>` (163604) are the
+    # config's vision_start/end_token_id; they lie outside spans, so mmstore needs neither.
+    published_token_ids: ClassVar[Mapping[str, int]] = {
+        "image_token_id": 163605,
+        "pad_token_id": 163839,
+    }
+    token_strings: ClassVar[Mapping[str, str]] = {
+        "image_token_id": "<|media_pad|>",
+        "pad_token_id": "[PAD]",
+    }
+    image_inputs: ClassVar[Mapping[str, Collation]] = {
+        "pixel_values": "cat",
+        "image_grid_thw": "cat",
+    }
+    # vLLM's Kimi-K2.5 (config `use_unified_vision_chunk`) takes images and video chunks as
+    # one "vision_chunk" modality, each image a `VisionChunkImage` dict; its prompt update
+    # replaces each `<|media_pad|>` by the image's count of `<|media_pad|>` (vLLM's
+    # model_executor/models/kimi_k25.py, `_get_prompt_updates`).
+    vllm_modality = "vision_chunk"
+
+    @classmethod
+    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
+        if not getattr(image_processor, "do_resize", True):
+            # Without navit_resize nothing pads the image to whole merge windows: the grid is
+            # the raw size (or patchify fails), which the layout cannot promise.
+            raise UnsupportedProcessorError(
+                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
+                "the Kimi-K2.5 one (images must be resized and padded to multiples of "
+                "patch*merge)"
+            )
+        size = image_processor.size
+        side = size_value(size, "max_height")
+        if size_value(size, "max_width") != side:
+            # transformers refuses this too, but only when the first image is processed.
+            raise UnsupportedProcessorError(
+                f"{type(image_processor).__name__} size {size!r}: max_height and max_width "
+                "must be equal (navit_resize has one per-side limit)"
+            )
+        return {
+            "patch_size": int(image_processor.patch_size),
+            "merge_size": int(image_processor.merge_size),
+            "max_patches": int(image_processor.max_patches),
+            "max_size_per_side": side,
+        }
+
+    # -- layout math --------------------------------------------------------------------
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
+        if width <= 0 or height <= 0:
+            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+        p = self.layout.param
+        _, (pad_h, pad_w) = _navit_resize()(
+            height,
+            width,
+            patch_size=p("patch_size"),
+            merge_kernel_size=p("merge_size"),
+            max_patches=p("max_patches"),
+            max_size_per_side=p("max_size_per_side"),
+        )
+        return 1, pad_h // p("patch_size"), pad_w // p("patch_size")
+
+    def num_tokens(self, width: int, height: int) -> int:
+        t, h, w = self.grid(width, height)
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    def expansion(self, width: int, height: int) -> list[int]:
+        return [self.image_token_id] * self.num_tokens(width, height)
+
+    def pixel_shape(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """Shape of this image's rows of ``pixel_values``: (patches, channels, p, p)."""
+        t, h, w = self.grid(width, height)
+        patch = self.layout.param("patch_size")
+        return t * h * w, 3, patch, patch
+
+    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
+        return {
+            "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
+            "image_grid_thw": np.array([self.grid(width, height)], dtype=np.int64),
+        }
+
+    @property
+    def dummy_size(self) -> tuple[int, int]:
+        side = self.layout.param("patch_size") * self.layout.param("merge_size")
+        return side, side
+
+    # -- the processor ------------------------------------------------------------------
+
+    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
+        out = super().process(images)
+        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
+        return out
+
+    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
+        t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
+        return t * h * w // self.layout.param("merge_size") ** 2
+
+    def vllm_item(self, image: Any, uuid: str) -> dict[str, Any]:
+        return {"type": "image", "image": image, "uuid": uuid}
+
+    # -- batches ------------------------------------------------------------------------
+
+    def collate_images(  # type: ignore[override]  # None values for a batch without images
+        self, images: Sequence[Mapping[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor | None]:
+        # MoonViT cannot run on zero patches (its patch embedding reshapes an empty tensor),
+        # so a batch without images passes None, which the model skips; the keys stay, so
+        # model(**{k: batch[k] for k in model_input_names}) still runs.
+        if not images:
+            return dict.fromkeys(self.image_inputs)
+        return dict(super().collate_images(images))
+
+
+def _navit_resize() -> Any:
+    """transformers' own ``navit_resize``, imported on first use (it pulls in torchvision)."""
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import navit_resize
+
+    return navit_resize
