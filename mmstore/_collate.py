@@ -61,7 +61,11 @@ def collate(
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         **family.token_types(input_ids),
-        **family.collate_images(images),
+        **(
+            family.collate_images(images)
+            if images or family.takes_zero_images
+            else dict.fromkeys(family.image_inputs)
+        ),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),

@@ -105,6 +105,10 @@ class Family(ABC):
     token_type_input: ClassVar[str | None] = None
     #: rows of position ids: 1 for 1-D RoPE, 3 for M-RoPE (packing adds the text row)
     position_rows: ClassVar[int] = 1
+    #: whether the model takes image tensors holding zero images; if not (a SigLIP tower
+    #: cannot run on an empty batch), a batch without images passes None for them, the
+    #: model's own "no images"
+    takes_zero_images: ClassVar[bool] = True
 
     def __init__(self, layout: Layout, image_processor: Any = None) -> None:
         if layout.family != self.name:

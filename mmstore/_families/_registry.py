@@ -21,6 +21,7 @@ _TF = "transformers.models."
 # family name -> "module.Class" of its Family
 _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
+    "gemma3": "mmstore._families.gemma3.Gemma3",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -28,6 +29,9 @@ _PROCESSORS: dict[str, str] = {
     # Qwen2-VL; transformers 5 maps Qwen2.5-VL and Qwen3-VL checkpoints to these same classes.
     _TF + "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil": "qwen-vl",
     _TF + "qwen2_vl.image_processing_qwen2_vl.Qwen2VLImageProcessor": "qwen-vl",
+    # Gemma 3: the PIL and the torchvision backend lay images out alike.
+    _TF + "gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil": "gemma3",
+    _TF + "gemma3.image_processing_gemma3.Gemma3ImageProcessor": "gemma3",
 }
 
 _LOADED: dict[str, type[Family]] = {}
