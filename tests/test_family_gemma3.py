@@ -481,6 +481,19 @@ def test_a_shifted_span_is_refused_by_the_writer(store, small):
         w.write(good)
 
 
+def test_double_newlines_next_to_a_span_are_ordinary_text(store, small):
+    # Token-level expansion never merges the wrapper's "\n\n" with the prompt's (a text-level
+    # BPE tokenization would): the neighbours stay as given and the span stays exact.
+    adapter = mmstore.adapter_for(small)
+    nl2, boi = SMALL["nl2"], adapter.image_token_id
+    media = store.put_image(_image(20, 20))
+    rollout = _rollout(adapter, "nl", [2, nl2, boi, nl2], [media], completion=(nl2, 4))
+    assert rollout.tokens == [2, nl2, *_expected(SMALL, SEQ), nl2, nl2, 4]
+    assert nl2 not in adapter.special_token_ids
+    with store.writer(run_id="n", step=0, adapter=adapter) as w:
+        w.write(rollout)
+
+
 def test_a_gemma3_store_read_with_a_qwen_processor_fails_at_construction(filled):
     with pytest.raises(mmstore.LayoutMismatchError):
         mmstore.RolloutDataset(filled, Qwen2VLImageProcessorPil())

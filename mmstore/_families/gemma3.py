@@ -18,13 +18,13 @@ with the wrapper: "x\\n" + "\\n\\n<start_of_image>" tokenizes as [x, "\\n\\n\\n"
 not [x, "\\n", "\\n\\n", boi, ...]. mmstore never re-tokenizes text: ``expand`` substitutes
 *token ids* for the one ``<start_of_image>`` id, so the tokens around a span stay exactly
 as the caller tokenized them and every span holds exactly ``[nl2, boi, soft*n, eoi, nl2]``
-(which the writer and the loader check token for token). The model sees the same image
+(which the writer checks token for token). The model sees the same image
 features either way (only the soft tokens carry them, and their count is fixed); what can
 differ is one text token next to a span, compared with a text-level tokenization of the
 same prompt. vLLM works at token level too (``Gemma3MultiModalProcessor``'s
 ``PromptReplacement`` of ``<start_of_image>``) but then re-merges "\\n" + "\\n\\n" and
-"\\n\\n" + "\\n\\n" next to a span (``_apply_token_matches``), so for such prompts its
-``prompt_token_ids`` differ from the stored tokens in that one neighbouring token.
+"\\n\\n" + "\\n\\n" (``_apply_token_matches``), so where a newline token touches a span,
+or two images touch, its ``prompt_token_ids`` differ from the stored tokens there.
 
 Pan-and-scan (``do_pan_and_scan=True``: extra crops, each with its own wrapped sequence,
 inside a text sentence) is refused: off by default, and its layout is not built here.
@@ -56,6 +56,8 @@ _VARIABLE_SIZE_KEYS = ("shortest_edge", "longest_edge", "max_height", "max_width
 
 class Gemma3(Family):
     name = "gemma3"
+    # The soft token count decides the tokens; the fixed size every image is resized to
+    # decides the pixels' shape (so a footer alone gives placeholders and dense sizes).
     parameter_names = ("image_seq_length", "resized_height", "resized_width")
     # The published Gemma 3 tokenizer (google/gemma-3-4b-it and siblings): `<start_of_image>`
     # 255999 and `<end_of_image>` 256000 are config.json's boi_token_index / eoi_token_index,
