@@ -23,6 +23,7 @@ _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
     "glm4v": "mmstore._families.glm4v.Glm4v",
     "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
+    "gemma3": "mmstore._families.gemma3.Gemma3",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -34,6 +35,9 @@ _PROCESSORS: dict[str, str] = {
     _TF + "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil": "glm4v",
     _TF + "glm4v.image_processing_glm4v.Glm4vImageProcessor": "glm4v",
     _TF + "kimi_k25.image_processing_kimi_k25.Kimi_K25ImageProcessor": "kimi-k25",
+    # Gemma 3: the PIL and the torchvision backend lay images out alike.
+    _TF + "gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil": "gemma3",
+    _TF + "gemma3.image_processing_gemma3.Gemma3ImageProcessor": "gemma3",
 }
 
 _LOADED: dict[str, type[Family]] = {}

@@ -134,18 +134,6 @@ class KimiK25(Family):
     def vllm_item(self, image: Any, uuid: str) -> dict[str, Any]:
         return {"type": "image", "image": image, "uuid": uuid}
 
-    # -- batches ------------------------------------------------------------------------
-
-    def collate_images(  # type: ignore[override]  # None values for a batch without images
-        self, images: Sequence[Mapping[str, torch.Tensor]]
-    ) -> dict[str, torch.Tensor | None]:
-        # MoonViT cannot run on zero patches (its patch embedding reshapes an empty tensor),
-        # so a batch without images passes None, which the model skips; the keys stay, so
-        # model(**{k: batch[k] for k in model_input_names}) still runs.
-        if not images:
-            return dict.fromkeys(self.image_inputs)
-        return dict(super().collate_images(images))
-
 
 def _navit_resize() -> Any:
     """transformers' own ``navit_resize``, imported on first use (it pulls in torchvision)."""
