@@ -21,6 +21,7 @@ _TF = "transformers.models."
 # family name -> "module.Class" of its Family
 _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
+    "pixtral": "mmstore._families.pixtral.Pixtral",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -28,6 +29,9 @@ _PROCESSORS: dict[str, str] = {
     # Qwen2-VL; transformers 5 maps Qwen2.5-VL and Qwen3-VL checkpoints to these same classes.
     _TF + "qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil": "qwen-vl",
     _TF + "qwen2_vl.image_processing_qwen2_vl.Qwen2VLImageProcessor": "qwen-vl",
+    # Pixtral-12B and Mistral 3 (Mistral-Small-3.1 / 3.2); layout set by PixtralProcessor.
+    _TF + "pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil": "pixtral",
+    _TF + "pixtral.image_processing_pixtral.PixtralImageProcessor": "pixtral",
 }
 
 _LOADED: dict[str, type[Family]] = {}
