@@ -418,6 +418,21 @@ def test_a_text_only_batch_gets_a_dummy_image_the_model_takes(filled, small, dty
     assert torch.isfinite(_loss(model, loader, batch))
 
 
+def test_position_ids_are_1d_rope_positions_the_model_uses(filled, small):
+    model = _tiny_mistral3(torch.float32)
+    adapter = mmstore.adapter_for(small)
+    ds = mmstore.RolloutDataset(filled, small, dtype=torch.float32, runs=["r"], shuffle=False)
+    sample = next(s for s in ds if s.sample_id == "c")
+    positions = adapter.position_ids(sample.input_ids, sample.images)
+    n = len(sample.input_ids)
+    assert adapter.position_rows == 1 and positions.tolist() == [list(range(n))]
+    inputs = {"input_ids": sample.input_ids[None], **adapter.collate_images(sample.images)}
+    with torch.no_grad():
+        ours = model(**inputs, position_ids=positions).logits
+        default = model(**inputs).logits
+    torch.testing.assert_close(ours, default)
+
+
 # --- 4. refused before the model --------------------------------------------------------
 
 
