@@ -290,8 +290,10 @@ def test_pixtral_12b_merge_one_and_mistral3_merge_two_differ(mistral3, pixtral12
         (lambda: PixtralImageProcessorPil(size={"height": 64, "width": 64}), "longest_edge"),
         (lambda: PixtralImageProcessorPil(patch_size={"height": 8, "width": 16}), "non-square"),
         (
-            lambda: types.SimpleNamespace(image_processor=PixtralImageProcessorPil()),
-            "spatial_merge_size",
+            lambda: types.SimpleNamespace(
+                image_processor=PixtralImageProcessorPil(), patch_size=14, spatial_merge_size=2
+            ),
+            "only PixtralProcessor",
         ),
     ],
     ids=["no-resize", "center-crop", "height-width-box", "non-square-patch", "unknown-processor"],

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 # spatial_merge_size 2 and longest_edge 1540 (their processor_config.json and params.json
 # "vision_encoder"). Pixtral-12B (merge 1) needs its full processor.
 PUBLISHED_SPATIAL_MERGE_SIZE = 2
+PIXTRAL_PROCESSOR = "transformers.models.pixtral.processing_pixtral.PixtralProcessor"
 
 
 class Pixtral(Family):
@@ -97,13 +98,15 @@ class Pixtral(Family):
         if processor is image_processor:
             patch_size = _square(image_processor.patch_size, kind)
             merge = PUBLISHED_SPATIAL_MERGE_SIZE
-        elif hasattr(processor, "patch_size") and hasattr(processor, "spatial_merge_size"):
+        elif _qualname(type(processor)) == PIXTRAL_PROCESSOR:
             patch_size = _square(processor.patch_size, type(processor).__name__)
             merge = int(processor.spatial_merge_size)
         else:
+            # Other processors wrap Pixtral's image processor with their own token math
+            # (LightOnOCR sizes images by the image processor's patch): exact class only.
             raise UnsupportedProcessorError(
-                f"{type(processor).__name__} has no patch_size/spatial_merge_size: cannot tell "
-                "how it lays out Pixtral images (pass PixtralProcessor or the image processor)"
+                f"{_qualname(type(processor))} wraps a Pixtral image processor, but only "
+                "PixtralProcessor's token layout is known (pass it or the image processor)"
             )
         if patch_size <= 0 or merge <= 0 or longest_edge <= 0:
             raise UnsupportedProcessorError(
@@ -220,6 +223,10 @@ def _square(patch_size: Any, owner: str) -> int:
     if size_value(patch_size, "width") != height:
         raise UnsupportedProcessorError(f"{owner} has a non-square patch size {patch_size!r}")
     return height
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _resize_helper() -> tuple[Any, Any]:
