@@ -24,6 +24,7 @@ _FAMILIES: dict[str, str] = {
     "glm4v": "mmstore._families.glm4v.Glm4v",
     "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
     "gemma3": "mmstore._families.gemma3.Gemma3",
+    "pixtral": "mmstore._families.pixtral.Pixtral",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -38,6 +39,9 @@ _PROCESSORS: dict[str, str] = {
     # Gemma 3: the PIL and the torchvision backend lay images out alike.
     _TF + "gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil": "gemma3",
     _TF + "gemma3.image_processing_gemma3.Gemma3ImageProcessor": "gemma3",
+    # Pixtral-12B and Mistral 3 (Mistral-Small-3.1 / 3.2); layout set by PixtralProcessor.
+    _TF + "pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil": "pixtral",
+    _TF + "pixtral.image_processing_pixtral.PixtralImageProcessor": "pixtral",
 }
 
 _LOADED: dict[str, type[Family]] = {}
