@@ -23,7 +23,7 @@ from .._exceptions import ImageSizeError, UnsupportedProcessorError
 from ._base import Collation, Family, size_value
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class KimiK25(Family):
