@@ -260,10 +260,12 @@ def test_text_only_rows_and_dummy_image(tmp_path, small_processor):
         )
     ds = mmstore.RolloutDataset(store, small_processor, shuffle=False)
     plain = list(mmstore.RolloutLoader(ds, batch_size=2))
-    assert [b["pixel_values"].shape[0] for b in plain] == [
-        0,
-        adapter.grid(300, 200)[1] * adapter.grid(300, 200)[2],
-    ]
+    # A batch without images passes None, the model's own "no images" (Qwen2-VL cannot
+    # run its vision tower on zero patches).
+    assert plain[0]["pixel_values"] is None and plain[0]["image_grid_thw"] is None
+    assert plain[1]["pixel_values"].shape[0] == (
+        adapter.grid(300, 200)[1] * adapter.grid(300, 200)[2]
+    )
     padded = list(mmstore.RolloutLoader(ds, batch_size=2, dummy_image=True))
     first = padded[0]
     assert first["dummy_image"] and first["image_grid_thw"].shape == (1, 3)
@@ -284,7 +286,7 @@ def test_max_len_keeps_whole_images(filled, small_processor):
         assert image_tokens * 4 == int(batch["image_grid_thw"].prod(-1).sum())
     text_only = mmstore.RolloutDataset(filled, small_processor, max_len=refs[0]["offset"])
     for batch in mmstore.RolloutLoader(text_only, batch_size=8):
-        assert batch["pixel_values"].shape[0] == 0
+        assert batch["pixel_values"] is None
         assert not (batch["input_ids"] == adapter.image_token_id).any()
 
 
