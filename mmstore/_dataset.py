@@ -8,6 +8,7 @@ resume at batch ``k`` reads nothing before it.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -250,8 +251,20 @@ class RolloutLoader:
 
     ``state_dict()`` records the epoch, how many batches this loader has handed out, and the
     snapshot's files; ``load_state_dict()`` continues with exactly the rest of that epoch.
-    When an epoch is read to its end the loader moves on to the next epoch by itself;
-    ``set_epoch(n)`` chooses one explicitly (and starts it from its first batch).
+    When an epoch is read to its end the loader moves on to the next epoch by itself.
+    ``set_epoch(n)`` to the epoch the loader is already in keeps its position (so the usual
+    loop below resumes after ``load_state_dict``, as torchdata's ``StatefulDataLoader``
+    does); any other epoch starts from its first batch::
+
+        loader.load_state_dict(state)                # optional: resume
+        for epoch in range(state["epoch"], epochs):  # or range(epochs) on a fresh run
+            loader.set_epoch(epoch)
+            for batch in loader:
+                ...
+
+    Breaking out of ``for batch in loader`` and iterating again continues after the last
+    batch handed out (a plain ``DataLoader`` would start the epoch over); call
+    ``set_epoch`` with another epoch, or build a new loader, to start afresh.
 
     Ranks get whole row groups, so their batch counts can differ by a few. FSDP/DDP hang
     when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
@@ -291,6 +304,15 @@ class RolloutLoader:
         self.batches_yielded = 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch`` next: from its first batch, or from where this loader stands in it
+        if it is the current epoch (the resume point a ``load_state_dict`` set survives)."""
+        if isinstance(epoch, bool) or not hasattr(epoch, "__index__") or operator.index(epoch) < 0:
+            raise InvalidArgumentError(f"epoch must be a non-negative int, got {epoch!r}")
+        epoch = operator.index(epoch)
+        if epoch != self.epoch:
+            self._start_epoch(epoch)
+
+    def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.batches_yielded = 0
 
@@ -333,7 +355,7 @@ class RolloutLoader:
             self.batches_yielded += 1
             yield batch
         if self.batches_yielded >= total:
-            self.set_epoch(self.epoch + 1)
+            self._start_epoch(self.epoch + 1)
 
     def _order_settings(self) -> dict[str, Any]:
         """Everything besides the snapshot that decides which batch comes when."""
@@ -372,7 +394,7 @@ class RolloutLoader:
                 + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
             )
         self.dataset.use_snapshot(state["files"])
-        self.set_epoch(int(state["epoch"]))
+        self.epoch = int(state["epoch"])
         self.batches_yielded = int(state["batches_yielded"])
 
 

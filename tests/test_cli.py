@@ -337,3 +337,9 @@ def test_demo_runs(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["rows"] == 2 and summary["samples_read"] == 2
     assert mmstore.debug.scan(mmstore.Store.open(root)).collect().height == 2
+
+
+def test_release_of_an_unknown_run_fails_naming_the_runs(copy, capsys):
+    result = call_cli(capsys, "release", copy, "nosuchrun", "--grace", "0")
+    assert_user_error(result, 1, "no run 'nosuchrun'", "r1", "r2")
+    assert result.stdout == ""

@@ -434,3 +434,20 @@ def test_workers_never_receive_the_parents_cache(filled, small_processor):
     shipped = pickle.loads(pickle.dumps(ds))
     assert shipped._materializer is None
     assert len(pickle.dumps(ds)) < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("selection", "needle"),
+    [
+        ({"runs": ["typo"]}, "no run 'typo'"),
+        ({"runs": ["r1", "typo"]}, "no run 'typo'"),
+        ({"steps": [99]}, "step 99"),
+        ({"runs": "r1", "steps": range(5, 9)}, "steps 5-8"),
+    ],
+)
+def test_a_selection_matching_nothing_raises_naming_what_exists(
+    filled, small_processor, selection, needle
+):
+    with pytest.raises(mmstore.NoMatchError, match=needle) as err:
+        mmstore.RolloutDataset(filled, small_processor, **selection)
+    assert "runs r1 (steps 0-1)" in str(err.value)
