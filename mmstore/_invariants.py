@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ._adapters import Layout, layout_for_fingerprint
-from ._exceptions import InvalidRolloutError
+from ._exceptions import InvalidArgumentError, InvalidRolloutError
 from ._models import Rollout
 
 LayoutLookup = Callable[[str], "Layout | None"]
@@ -132,7 +132,7 @@ def truncation_point(
     An image straddling ``max_len`` moves the cut to its start.
     """
     if max_len <= 0:
-        raise ValueError(f"max_len must be positive, got {max_len}")
+        raise InvalidArgumentError(f"max_len must be positive, got {max_len}")
     cut = min(n_tokens, max_len)
     kept = 0
     for offset, length in zip(offsets, lengths, strict=True):

@@ -20,6 +20,7 @@ from ._backends import STAGING, Backend, FileStat, LocalBackend, S3Backend
 from ._exceptions import (
     HashMismatchError,
     ImageDecodeError,
+    InvalidArgumentError,
     MediaNotFoundError,
     MmstoreError,
     NotAStoreError,
@@ -31,9 +32,11 @@ from ._media import (
     EXTENSIONS,
     FORMAT_EXTENSIONS,
     HASH_ALGORITHM,
+    as_pil,
     content_hash,
     decode_rgb,
     encode_image,
+    is_path,
     media_path,
     probe,
 )
@@ -110,10 +113,7 @@ class Store:
         raw = _read_manifest(backend, root)
         if raw is None:
             if not create:
-                raise NotAStoreError(
-                    f"no mmstore store at {root!r} (no {MANIFEST}); pass create=True to make one",
-                    root=root,
-                )
+                raise NotAStoreError(missing_store_message(root, CREATE_REMEDY), root=root)
             raw = _create_manifest(backend, root)
         _check_manifest(raw, root)
         return cls(
@@ -136,6 +136,12 @@ class Store:
         and renews the file's timestamp, so gc's grace period protects rows about to
         reference it.
         """
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidArgumentError(
+                f"put_media takes encoded image bytes, got {type(data).__name__}; for a path, "
+                "a PIL image or an array use put_image"
+            )
+        data = bytes(data)
         ext = ext.lower().lstrip(".")
         if ext not in EXTENSIONS:
             raise ImageDecodeError(
@@ -150,10 +156,38 @@ class Store:
         self.backend.put_content(rel, data)
         return MediaRef(hash=digest, uri=rel, width=width, height=height, nbytes=len(data))
 
-    def put_image(self, image: Image.Image, format: str = "png", quality: int = 95) -> MediaRef:
-        """Encode (PNG: lossless, deterministic) and store a PIL image."""
-        data, ext = encode_image(image, format, quality)
+    def put_image(self, image: Any, format: str | None = None, quality: int = 95) -> MediaRef:
+        """Store an image once, by content; return its ref.
+
+        ``image`` is a file path (its bytes are stored as they are, unless ``format`` asks
+        for a re-encode), a PIL image, a uint8 numpy array (HxW, HxWx3 or HxWx4) or a uint8
+        torch tensor (CHW or HWC). In-memory images are encoded as ``format``: PNG by
+        default (lossless, deterministic), ``jpeg`` (at ``quality``) or ``webp``. Anything
+        else raises :class:`InvalidArgumentError` saying what to pass.
+        """
+        if is_path(image):
+            data = self._read_image_file(os.fspath(image))
+            if format is None:
+                fmt, _, _ = probe(data, max_pixels=self.max_image_pixels, where=os.fspath(image))
+                if fmt not in FORMAT_EXTENSIONS:
+                    raise ImageDecodeError(
+                        f"{fmt} files are not stored as they are; pass format='png' to re-encode",
+                        uri=os.fspath(image),
+                    )
+                return self.put_media(data, ext=FORMAT_EXTENSIONS[fmt][0])
+            image = decode_rgb(data, max_pixels=self.max_image_pixels, where=os.fspath(image))
+        data, ext = encode_image(as_pil(image), format or "png", quality)
         return self.put_media(data, ext=ext)
+
+    @staticmethod
+    def _read_image_file(path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"no image file at {path!r}") from None
+        except IsADirectoryError:
+            raise InvalidArgumentError(f"{path!r} is a directory, not an image file") from None
 
     def read_media(self, uri: str, expected_hash: str) -> bytes:
         """The bytes at ``uri``, verified against ``expected_hash``."""
@@ -307,6 +341,35 @@ class Store:
 
     def staging_files(self) -> list[FileStat]:
         return self.backend.list(STAGING)
+
+
+# What to do where there is no store; the command line, which has no create=, says its own.
+CREATE_REMEDY = "pass create=True to make one"
+
+
+def missing_store_message(root: str, remedy: str) -> str:
+    """No store at ``root``: point at the store's root if ``root`` lies inside one."""
+    inside = enclosing_root(root)
+    if inside is not None:
+        return (
+            f"no mmstore store at {root!r}: it looks like a folder inside the store at {inside!r}; "
+            "open the store's root"
+        )
+    return f"no mmstore store at {root!r} (no {MANIFEST}); {remedy}"
+
+
+def enclosing_root(root: str) -> str | None:
+    """``ROOT`` for a path like ``ROOT/rollouts/run_id=r1`` (no I/O beyond a local check)."""
+    parts = root.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if i and (part in (ROLLOUTS, MEDIA, PINS, STAGING) or part.startswith("run_id=")):
+            candidate = "/".join(parts[:i])
+            local = not candidate.startswith("s3://")
+            path = unquote(urlparse(candidate).path) if "://" in candidate else candidate
+            if not local or os.path.isfile(os.path.join(path, MANIFEST)):
+                return candidate
+            return None
+    return None
 
 
 def _normalize_root(root: str) -> str:

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ._adapters import Layout, layout_for_fingerprint
-from ._exceptions import InvalidRolloutError
+from ._exceptions import InvalidArgumentError, InvalidRolloutError
 from ._invariants import check_rollout
 from ._models import Rollout
 from ._schema import ROLLOUT_SCHEMA, file_metadata
@@ -135,9 +135,9 @@ class RolloutWriter:
     ) -> None:
         check_partition(run_id, step)
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
-            raise TypeError(f"row_group_size must be an int, got {row_group_size!r}")
+            raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
         if row_group_size <= 0:
-            raise ValueError(f"row_group_size must be positive, got {row_group_size}")
+            raise InvalidArgumentError(f"row_group_size must be positive, got {row_group_size}")
         self.store = store
         self.run_id = run_id
         self.step = step

@@ -20,11 +20,11 @@ import polars as pl
 import pyarrow as pa
 
 from . import debug
-from ._exceptions import MmstoreError, NoMatchError
+from ._exceptions import MmstoreError, NoMatchError, NotAStoreError
 from ._export import export
 from ._lifecycle import gc, release_run
 from ._pins import list_pins, pin_rows, unpin
-from ._store import Store
+from ._store import CREATE_REMEDY, Store
 from ._verify import verify
 
 PROG = "mmstore"
@@ -94,8 +94,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open(root: str) -> Store:
+    try:
+        return Store.open(root)
+    except NotAStoreError as exc:
+        if not exc.message.endswith(CREATE_REMEDY):
+            raise
+        remedy = "check the path (a store's root holds mmstore.json)"
+        raise NotAStoreError(exc.message.removesuffix(CREATE_REMEDY) + remedy) from None
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     if args.sample is not None:
         row = debug.sample(store, args.sample, run_id=args.run, step=args.step)
         if args.view:
@@ -143,7 +153,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     by = {"step": ("run_id", "step"), "run": ("run_id",), "store": ()}[args.by]
     table = debug.summary(store, by=by)
     total = debug.summary(store, by=()) if by else table
@@ -162,7 +172,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = verify(store, check_hashes=not args.no_hash)
     if args.json:
         _print_json(report.to_dict())
@@ -180,7 +190,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = gc(store, grace_seconds=args.grace, dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
@@ -199,7 +209,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     dest = export(store, args.dest, runs=args.run, steps=args.steps)
     rows = debug.scan(dest).select(pl.len()).collect().item()
     result = {
@@ -219,7 +229,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = release_run(store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
@@ -239,7 +249,7 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     if args.name is None:
         pins = list_pins(store)
         if args.json:

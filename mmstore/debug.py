@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ._adapters import Layout, layout_for_fingerprint
 from ._backends import S3Backend
-from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
+from ._exceptions import InvalidArgumentError, MediaNotFoundError, MmstoreError, NoMatchError
 from ._progress import bar
 from ._refscan import partition_of
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
@@ -99,7 +99,7 @@ def summary(
     keys = list(by)
     unknown = set(keys) - set(SUMMARY_KEYS)
     if unknown:
-        raise ValueError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
+        raise InvalidArgumentError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
     files = store.rollout_files()  # one listing: every figure below is of the same files
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()

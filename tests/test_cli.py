@@ -343,3 +343,11 @@ def test_release_of_an_unknown_run_fails_naming_the_runs(copy, capsys):
     result = call_cli(capsys, "release", copy, "nosuchrun", "--grace", "0")
     assert_user_error(result, 1, "no run 'nosuchrun'", "r1", "r2")
     assert result.stdout == ""
+
+
+def test_a_missing_store_error_speaks_to_a_shell_user(tmp_path, known, capsys):
+    result = call_cli(capsys, "stats", tmp_path / "nowhere")
+    assert_user_error(result, 1, "no mmstore store", "check the path")
+    assert "create=True" not in result.stderr
+    inner = Path(known["root"]) / "rollouts"
+    assert_user_error(call_cli(capsys, "inspect", inner), 1, f"store at '{known['root']}'")

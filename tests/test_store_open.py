@@ -125,3 +125,19 @@ def _png() -> bytes:
     from tests.store_workers import image_bytes
 
     return image_bytes(3)
+
+
+def test_a_folder_inside_a_store_points_at_the_root(tmp_path):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    store.put_image(mmstore_image())
+    for inner in ("media", "media/ab", "rollouts/run_id=r1"):
+        with pytest.raises(mmstore.NotAStoreError, match="inside the store at") as err:
+            mmstore.Store.open(tmp_path / "s" / inner)
+        assert repr(str(tmp_path / "s")) in str(err.value)
+        assert "create=True" not in str(err.value)
+
+
+def mmstore_image():
+    from PIL import Image
+
+    return Image.new("RGB", (8, 8), "red")

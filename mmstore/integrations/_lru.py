@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 from .._cache import ByteLRU
+from .._exceptions import InvalidArgumentError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -24,7 +25,7 @@ class SingleFlightLRU(Generic[K, V]):
 
     def __init__(self, max_bytes: int, sizeof: Callable[[V], int]) -> None:
         if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+            raise InvalidArgumentError(f"max_bytes must be >= 0, got {max_bytes}")
         self._lru: ByteLRU[V] = ByteLRU(max_bytes)
         self._sizeof = sizeof
         self._inflight: dict[K, Future[V]] = {}
