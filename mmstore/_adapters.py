@@ -102,6 +102,11 @@ def register_layout(layout: Layout) -> None:
     _LAYOUTS[layout.fingerprint] = replace(layout, image_token_id=token_id)
 
 
+def known_layouts() -> list[Layout]:
+    """Every layout an adapter of this process has registered."""
+    return list(_LAYOUTS.values())
+
+
 def layout_for_fingerprint(fingerprint: str) -> Layout | None:
     """The layout of an adapter built in this process, or None."""
     return _LAYOUTS.get(fingerprint)

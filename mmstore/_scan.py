@@ -99,6 +99,23 @@ def recorded_layouts(store: Store, files: Iterable[str]) -> dict[str, dict[str, 
     return found
 
 
+# A text-only writer reads at most this many of its run's newest footers for a layout.
+RUN_LAYOUT_FILES = 8
+
+
+def run_layouts(store: Store, run_id: str) -> dict[str, dict[str, Any]]:
+    """The layouts recorded by the newest committed file of ``run_id`` that records one
+    (looking at its newest few files only)."""
+    prefix = f"rollouts/run_id={run_id}/"
+    files = [f.path for f in store.rollout_files() if f.path.startswith(prefix)]
+    newest = sorted(files, key=lambda path: partition_of(path)[1], reverse=True)
+    for path in newest[:RUN_LAYOUT_FILES]:
+        found = recorded_layouts(store, [path])
+        if found:
+            return found
+    return {}
+
+
 def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
     """Every layout fingerprint in the snapshot -> the runs using it (one leaf column read)."""
     found: dict[str, set[str]] = {}

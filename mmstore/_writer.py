@@ -16,10 +16,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._adapters import Layout, layout_for_fingerprint
+from ._adapters import Layout, known_layouts, layout_for_fingerprint
 from ._exceptions import InvalidArgumentError, InvalidRolloutError
 from ._invariants import check_rollout
 from ._models import Rollout
+from ._scan import run_layouts
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
 if TYPE_CHECKING:
@@ -122,6 +123,13 @@ class RolloutWriter:
     Nothing is visible until the block exits without an exception (or :meth:`commit` is
     called); then every row written becomes visible at once, as one Parquet file named
     ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
+
+    An image placeholder token outside every image span is refused, in rows with images and
+    in text-only rows alike, whenever the writer knows the placeholder id: from ``adapter=``
+    if given (only its id: a custom tokenizer's), else from every adapter built in this
+    process (``mmstore.adapter_for``), else from the layouts recorded in the newest
+    committed files of the same run. A writer that knows none of these (a fresh process
+    writing text-only rows into a new run) cannot tell a placeholder from text.
     """
 
     def __init__(
@@ -146,6 +154,7 @@ class RolloutWriter:
         self.committed: list[str] = []
         self._adapter_layout = adapter.layout if adapter is not None else None
         self._layouts: dict[str, Layout] = {}
+        self._run_token_ids: set[int] | None = None
         self._sample_ids: set[str] = set()
         self._known_media: set[tuple[str, str]] = set()
         self._pending: list[dict[str, Any]] = []
@@ -181,7 +190,7 @@ class RolloutWriter:
                 used[fingerprint] = layout
             return layout
 
-        token_ids = [self._adapter_layout.image_token_id] if self._adapter_layout else []
+        token_ids = self._placeholder_ids()
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids)
         except InvalidRolloutError as exc:
@@ -200,6 +209,20 @@ class RolloutWriter:
     def write_many(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
             self.write(rollout)
+
+    def _placeholder_ids(self) -> list[int]:
+        """Image token ids no text may hold (the rule in the class docstring)."""
+        if self._adapter_layout is not None:
+            return [self._adapter_layout.image_token_id]
+        ids = {layout.image_token_id for layout in known_layouts()}
+        if not ids:
+            if self._run_token_ids is None:  # read once per writer
+                recorded = run_layouts(self.store, self.run_id).values()
+                self._run_token_ids = {
+                    p["image_token_id"] for p in recorded if "image_token_id" in p
+                }
+            ids = self._run_token_ids
+        return sorted(ids)
 
     def _layout(self, fingerprint: str) -> Layout | None:
         if self._adapter_layout is not None and self._adapter_layout.fingerprint == fingerprint:
