@@ -40,7 +40,7 @@ from ._media import (
     media_path,
     probe,
 )
-from ._models import ImageRef, MediaRef
+from ._models import ImageRef, MediaRef, Rollout
 
 if TYPE_CHECKING:
     from ._adapters import QwenVLAdapter
@@ -328,6 +328,20 @@ class Store:
             adapter=adapter,
             row_group_size=DEFAULT_ROW_GROUP_SIZE if row_group_size is None else row_group_size,
         )
+
+    def rollouts(
+        self,
+        run_id: str | Iterable[str] | None = None,
+        step: int | range | Iterable[int] | None = None,
+        sample_ids: str | Iterable[str] | None = None,
+    ) -> list[Rollout]:
+        """Committed rows as :class:`Rollout` objects: those of ``run_id`` (one or several),
+        at ``step`` (an int, a range or several), with these ``sample_ids``; every filter
+        left out matches all. Nothing matching raises :class:`NoMatchError` naming what the
+        store holds. For replay and inference: ``integrations.vllm`` takes a ``Rollout``."""
+        from ._read import read_rollouts
+
+        return read_rollouts(self, run_id, step, sample_ids)
 
     def rollout_files(self) -> list[FileStat]:
         """Committed rollout Parquet files, sorted by path (staging is never listed)."""
