@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from ._exceptions import (
@@ -25,6 +26,7 @@ from ._exceptions import (
     SchemaVersionError,
 )
 from ._progress import bar
+from ._schema import PARTITION_FIELDS
 
 if TYPE_CHECKING:
     from ._backends import FileStat
@@ -33,12 +35,17 @@ if TYPE_CHECKING:
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
+# The same hive partitioning pyarrow, DuckDB and Spark apply to these paths. Segments are
+# taken as written ("none"): a foreign file's `run_id=a%2Fb` must not become the run `a/b`.
+_PARTITIONING = pads.HivePartitioning(pa.schema(PARTITION_FIELDS), segment_encoding="none")
+
+
 def partition_of(path: str) -> tuple[str, int]:
     """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
-    parts = dict(p.split("=", 1) for p in path.split("/")[1:-1] if "=" in p)
     try:
-        return parts["run_id"], int(parts["step"])
-    except (KeyError, ValueError):
+        keys = pads.get_partition_keys(_PARTITIONING.parse(path))
+        return keys["run_id"], int(keys["step"])
+    except (KeyError, pa.ArrowInvalid):
         raise CorruptFileError(
             "rollout file outside run_id=…/step=… partitions", file=path
         ) from None

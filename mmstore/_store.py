@@ -5,15 +5,15 @@ The root is a local directory or an ``s3://bucket/prefix``; see :mod:`._backends
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse, urlsplit
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 from PIL import Image
 
 from ._backends import STAGING, Backend, FileStat, LocalBackend, S3Backend
@@ -24,14 +24,18 @@ from ._exceptions import (
     MediaNotFoundError,
     MmstoreError,
     NotAStoreError,
-    SchemaVersionError,
     UntrustedURIError,
+)
+from ._manifest import (
+    MANIFEST,
+    check_manifest,
+    create_manifest,
+    read_manifest,
 )
 from ._media import (
     DEFAULT_MAX_PIXELS,
     EXTENSIONS,
     FORMAT_EXTENSIONS,
-    HASH_ALGORITHM,
     as_pil,
     content_hash,
     decode_rgb,
@@ -46,8 +50,6 @@ if TYPE_CHECKING:
     from ._adapters import QwenVLAdapter
     from ._writer import RolloutWriter
 
-FORMAT_VERSION = 1
-MANIFEST = "mmstore.json"
 ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
@@ -109,13 +111,13 @@ class Store:
         elif "://" in root and not root.startswith("file://"):
             raise NotAStoreError(f"unsupported store location scheme in {root!r}", root=root)
         else:
-            backend = LocalBackend(unquote(urlparse(root).path) if "://" in root else root)
-        raw = _read_manifest(backend, root)
+            backend = LocalBackend(_local_path(root))
+        raw = read_manifest(backend, root)
         if raw is None:
             if not create:
                 raise NotAStoreError(missing_store_message(root, CREATE_REMEDY), root=root)
-            raw = _create_manifest(backend, root)
-        _check_manifest(raw, root)
+            raw = create_manifest(backend, root)
+        check_manifest(raw, root)
         return cls(
             root,
             backend,
@@ -420,50 +422,16 @@ def _file_target(uri: str) -> str:
     return "file://" + os.path.normpath(path)
 
 
-def _create_manifest(backend: Backend, root: str) -> dict[str, Any]:
-    if not backend.is_empty():
-        raise NotAStoreError(
-            f"{root!r} is not an empty directory and holds no {MANIFEST}; refusing to create "
-            "a store over other files",
-            root=root,
-        )
-    manifest = {
-        "format": "mmstore",
-        "format_version": FORMAT_VERSION,
-        "hash_algorithm": HASH_ALGORITHM,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if backend.write_atomic(MANIFEST, json.dumps(manifest, indent=2).encode(), replace=False):
-        return manifest
-    # Another process created the store at the same moment: open theirs.
-    return _read_manifest(backend, root) or manifest
+def _local_path(root: str) -> str:
+    """The directory a plain path or a ``file://`` URI names.
 
-
-def _read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:
+    ``file://`` goes through pyarrow's own URI parser (percent-decoding; a URI naming
+    another host is refused rather than silently read from this one).
+    """
+    if not root.startswith("file://"):
+        return root
     try:
-        raw = backend.read(MANIFEST)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        manifest = json.loads(raw)
-    except ValueError:
-        raise NotAStoreError(f"{MANIFEST} at {root!r} is not JSON", root=root) from None
-    if not isinstance(manifest, dict):
-        raise NotAStoreError(f"{MANIFEST} at {root!r} is not a JSON object", root=root)
-    return manifest
-
-
-def _check_manifest(manifest: dict[str, Any], root: str) -> None:
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise SchemaVersionError(
-            f"store format version {version!r} is not supported (this mmstore reads "
-            f"{FORMAT_VERSION})",
-            root=root,
-        )
-    if manifest.get("hash_algorithm") != HASH_ALGORITHM:
-        raise SchemaVersionError(
-            f"store hashes with {manifest.get('hash_algorithm')!r}, this mmstore with "
-            f"{HASH_ALGORITHM!r}",
-            root=root,
-        )
+        _, path = pafs.FileSystem.from_uri(root)
+    except (pa.ArrowInvalid, ValueError) as exc:
+        raise NotAStoreError(f"unusable store location {root!r}: {exc}", root=root) from None
+    return str(path)
