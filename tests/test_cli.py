@@ -169,7 +169,8 @@ def test_stats_table_and_json(known, capsys):
     result = call_cli(capsys, "stats", known["root"])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:5] == ["run_id", "step", "samples", "images", "unique_images"]
+    assert lines[0].split()[:5] == ["run", "step", "rows", "images", "unique"]
+    assert max(map(len, lines)) <= 100  # fits a terminal
     assert [line.split()[:3] for line in lines[1:4]] == [
         ["r1", "0", "3"],
         ["r1", "1", "2"],
@@ -351,3 +352,24 @@ def test_a_missing_store_error_speaks_to_a_shell_user(tmp_path, known, capsys):
     assert "create=True" not in result.stderr
     inner = Path(known["root"]) / "rollouts"
     assert_user_error(call_cli(capsys, "inspect", inner), 1, f"store at '{known['root']}'")
+
+
+def test_output_fits_a_terminal_and_json_keeps_token_lists_on_one_line(known, capsys):
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1")
+    assert result.returncode == 0 and max(map(len, result.stdout.splitlines())) <= 100
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1", "--json")
+    row = json.loads(result.stdout)
+    assert len(result.stdout.splitlines()) < len(row["tokens"])
+    assert any(line.startswith('  "tokens": [') for line in result.stdout.splitlines())
+
+
+def test_version_and_the_grace_unit(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert (
+        exit_.value.code == 0
+        and capsys.readouterr().out.strip() == f"mmstore {mmstore.__version__}"
+    )
+    with pytest.raises(SystemExit):
+        main(["gc", "--help"])
+    assert "--grace SECONDS" in capsys.readouterr().out
