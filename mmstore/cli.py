@@ -106,10 +106,10 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         # The demo prints its own report; with --json stdout carries only the JSON document.
         with contextlib.redirect_stdout(sys.stderr):
-            summary = _demo.main(args.root, keep=args.keep, **options)
+            summary = _demo.main(args.root, tmp=args.tmp, **options)
         _print_json(summary)
     else:
-        _demo.main(args.root, keep=args.keep, **options)
+        _demo.main(args.root, tmp=args.tmp, **options)
     return 0
 
 
@@ -336,8 +336,10 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     p = command("demo", _demo, "write synthetic screenshot rollouts, then train-read them")
-    p.add_argument("--root", help="keep the store here (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true", help="keep the temporary store")
+    p.add_argument(
+        "--root", help="where to write the store, which is kept (default ./mmstore-demo)"
+    )
+    p.add_argument("--tmp", action="store_true", help="use a temporary store, deleted at the end")
     for name, help in DEMO_OPTIONS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", help=help)
 

@@ -340,6 +340,30 @@ def test_demo_runs(tmp_path):
     assert mmstore.debug.scan(mmstore.Store.open(root)).collect().height == 2
 
 
+TINY_DEMO = ["--groups", "1", "--group-size", "2", "--turns", "1", "--steps", "1"]
+TINY_DEMO += ["--batch-size", "2", "--num-workers", "0"]
+
+
+def test_demo_keeps_its_store_by_default_and_a_rerun_replaces_the_demo_run(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        result = call_cli(capsys, "demo", *TINY_DEMO)
+        assert result.returncode == 0, result.stderr
+    assert "store kept at mmstore-demo" in result.stdout
+    assert "replaced the earlier demo run" in result.stdout
+    store = mmstore.Store.open(tmp_path / "mmstore-demo")
+    assert mmstore.debug.scan(store).collect().height == 2  # not 4
+
+
+def test_demo_tmp_says_it_deletes_its_store(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = call_cli(capsys, "demo", "--tmp", *TINY_DEMO)
+    assert result.returncode == 0, result.stderr
+    assert "store deleted" in result.stdout and list(tmp_path.iterdir()) == []
+
+
 def test_release_of_an_unknown_run_fails_naming_the_runs(copy, capsys):
     result = call_cli(capsys, "release", copy, "nosuchrun", "--grace", "0")
     assert_user_error(result, 1, "no run 'nosuchrun'", "r1", "r2")
