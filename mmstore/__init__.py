@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import debug, wire
+from . import debug, synth, wire
 from ._adapters import Layout, QwenVLAdapter, adapter_for
 from ._exceptions import (
     CorruptFileError,
@@ -91,6 +91,7 @@ __all__ = [
     "adapter_for",
     "check_rollout",
     "debug",
+    "synth",
     "export",
     "gc",
     "list_pins",
