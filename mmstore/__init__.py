@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import debug, wire
+from . import debug, synth, wire
 from ._exceptions import (
     CorruptFileError,
     DecompressionBombError,
@@ -99,6 +99,7 @@ __all__ = [
     "register_family",
     "check_rollout",
     "debug",
+    "synth",
     "export",
     "gc",
     "list_pins",

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ._backends import STAGING, FileStat, LocalBackend
 from ._exceptions import InvalidArgumentError
 from ._pins import pinned_hashes
-from ._refscan import media_hash, referenced_hashes
+from ._refscan import media_hash, referenced_hashes, select_files
 from ._store import MEDIA, ROLLOUTS
 from ._writer import check_partition
 
@@ -100,10 +100,13 @@ def release_run(
     store: Store, run_id: str, grace_seconds: float = 3600, dry_run: bool = False
 ) -> ReleaseReport:
     """Remove run ``run_id``'s rollout partitions, then gc: media still referenced by other
-    runs or pins stays. A dry run removes nothing and reports what a real one would."""
+    runs or pins stays. A dry run removes nothing and reports what a real one would.
+
+    A run the store does not hold raises :class:`NoMatchError` naming the runs it does."""
     check_partition(run_id, 0)
     run_dir = f"{ROLLOUTS}/run_id={run_id}"
-    files = [f.path for f in store.rollout_files() if f.path.startswith(run_dir + "/")]
+    # Raises NoMatchError naming the runs there are: releasing a typo must not look done.
+    files = [f.path for f in select_files(store, runs=[run_id])]
     if not dry_run:
         store.backend.delete_tree(run_dir)
     report = _collect(store, grace_seconds, dry_run, None, ignore_files=frozenset(files))

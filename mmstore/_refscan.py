@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from ._exceptions import CorruptFileError, InvalidArgumentError, MmstoreError, SchemaVersionError
+from ._exceptions import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MmstoreError,
+    NoMatchError,
+    SchemaVersionError,
+)
 from ._progress import bar
+from ._schema import PARTITION_FIELDS
 
 if TYPE_CHECKING:
     from ._backends import FileStat
@@ -27,12 +35,17 @@ if TYPE_CHECKING:
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
+# The same hive partitioning pyarrow, DuckDB and Spark apply to these paths. Segments are
+# taken as written ("none"): a foreign file's `run_id=a%2Fb` must not become the run `a/b`.
+_PARTITIONING = pads.HivePartitioning(pa.schema(PARTITION_FIELDS), segment_encoding="none")
+
+
 def partition_of(path: str) -> tuple[str, int]:
     """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
-    parts = dict(p.split("=", 1) for p in path.split("/")[1:-1] if "=" in p)
     try:
-        return parts["run_id"], int(parts["step"])
-    except (KeyError, ValueError):
+        keys = pads.get_partition_keys(_PARTITIONING.parse(path))
+        return keys["run_id"], int(keys["step"])
+    except (KeyError, pa.ArrowInvalid):
         raise CorruptFileError(
             "rollout file outside run_id=…/step=… partitions", file=path
         ) from None
@@ -46,15 +59,61 @@ def select_files(
     runs: str | Iterable[str] | None = None,
     steps: int | range | Iterable[int] | None = None,
 ) -> list[FileStat]:
-    """Committed rollout files whose ``run_id=…/step=…`` partition matches the selection."""
+    """Committed rollout files whose ``run_id=…/step=…`` partition matches the selection.
+
+    A selection that names a run the store does not hold, or that matches no file at all,
+    raises :class:`NoMatchError` naming the runs and steps there are: a typo must not turn
+    into a silent run over nothing.
+    """
     run_set = _run_set(runs)
     step_set = _step_set(steps)
     selected = []
+    held: dict[str, set[int]] = {}
     for stat in store.rollout_files():
         run_id, step = partition_of(stat.path)
+        held.setdefault(run_id, set()).add(step)
         if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
             selected.append(stat)
+    unknown = sorted(run_set - held.keys()) if run_set is not None else []
+    if unknown or (not selected and (run_set is not None or step_set is not None)):
+        chosen = " at ".join(
+            part
+            for part in (
+                None if run_set is None else f"runs {sorted(run_set)}",
+                None if step_set is None else _steps_text(step_set),
+            )
+            if part
+        )
+        why = f"no run {', '.join(map(repr, unknown))}" if unknown else "no such step"
+        raise NoMatchError(
+            f"no committed rollout files match {chosen} ({why}); the store holds {holdings(held)}",
+            root=store.root,
+        )
     return selected
+
+
+def holdings(held: dict[str, set[int]], limit: int = 8) -> str:
+    """``runs r1 (steps 0-3), r2 (step 5)`` for a message (the first ``limit`` runs)."""
+    if not held:
+        return "no rollouts"
+    shown = [f"{run} ({_steps_text(held[run])})" for run in sorted(held)[:limit]]
+    more = f" and {len(held) - limit} more" if len(held) > limit else ""
+    return "runs " + ", ".join(shown) + more
+
+
+def _steps_text(steps: range | set[int] | None) -> str:
+    """``step 5``, ``steps 0-3`` or ``steps 1, 4, 9``."""
+    if isinstance(steps, range) and steps.step == 1 and len(steps) > 1:
+        return f"steps {steps.start}-{steps.stop - 1}"
+    ordered = sorted(steps[:7] if isinstance(steps, range) else steps or ())
+    if not ordered:
+        return "no steps"
+    if len(ordered) == 1:
+        return f"step {ordered[0]}"
+    if len(ordered) > 1 and ordered[-1] - ordered[0] == len(ordered) - 1:
+        return f"steps {ordered[0]}-{ordered[-1]}"
+    listed = ", ".join(map(str, ordered[:6]))
+    return f"steps {listed}" + (", …" if len(ordered) > 6 else "")
 
 
 def _run_set(runs: str | Iterable[str] | None) -> set[str] | None:

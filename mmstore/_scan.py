@@ -6,6 +6,7 @@ epoch can be located without reading the data before it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ._exceptions import CorruptFileError
 from ._refscan import distinct_leaf, open_rollout_file, partition_of, select_files
-from ._schema import check_schema_version
+from ._schema import META_LAYOUTS, check_schema_version
 
 if TYPE_CHECKING:
     from ._store import Store
@@ -81,6 +83,37 @@ def read_footer(store: Store, path: str) -> pq.FileMetaData:
     meta = open_rollout_file(store, path).metadata
     check_schema_version(meta.metadata, where=path)
     return meta
+
+
+def recorded_layouts(store: Store, files: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The layout parameters each file's footer records, by fingerprint (footers only)."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in files:
+        raw = (read_footer(store, path).metadata or {}).get(META_LAYOUTS)
+        try:
+            layouts = json.loads(raw or b"{}")
+        except ValueError:
+            raise CorruptFileError("unreadable mmstore.layouts footer entry", file=path) from None
+        for fingerprint, params in layouts.items():
+            found.setdefault(fingerprint, params)
+    return found
+
+
+# A text-only writer reads at most this many of its run's newest footers for a layout.
+RUN_LAYOUT_FILES = 8
+
+
+def run_layouts(store: Store, run_id: str) -> dict[str, dict[str, Any]]:
+    """The layouts recorded by the newest committed file of ``run_id`` that records one
+    (looking at its newest few files only)."""
+    prefix = f"rollouts/run_id={run_id}/"
+    files = [f.path for f in store.rollout_files() if f.path.startswith(prefix)]
+    newest = sorted(files, key=lambda path: partition_of(path)[1], reverse=True)
+    for path in newest[:RUN_LAYOUT_FILES]:
+        found = recorded_layouts(store, [path])
+        if found:
+            return found
+    return {}
 
 
 def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:

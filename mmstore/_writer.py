@@ -16,10 +16,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import InvalidRolloutError
-from ._families import Layout, layout_for_fingerprint
+from ._exceptions import InvalidArgumentError, InvalidRolloutError
+from ._families import (
+    Layout,
+    family_for_layout,
+    known_layouts,
+    layout_for_fingerprint,
+    layout_from_record,
+)
 from ._invariants import check_rollout
 from ._models import Rollout
+from ._scan import run_layouts
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
 if TYPE_CHECKING:
@@ -122,6 +129,13 @@ class RolloutWriter:
     Nothing is visible until the block exits without an exception (or :meth:`commit` is
     called); then every row written becomes visible at once, as one Parquet file named
     ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
+
+    An image placeholder token outside every image span is refused, in rows with images and
+    in text-only rows alike, whenever the writer knows the placeholder id: from ``adapter=``
+    if given (only its id: a custom tokenizer's), else from every adapter built in this
+    process (``mmstore.adapter_for``), else from the layouts recorded in the newest
+    committed files of the same run. A writer that knows none of these (a fresh process
+    writing text-only rows into a new run) cannot tell a placeholder from text.
     """
 
     def __init__(
@@ -135,9 +149,9 @@ class RolloutWriter:
     ) -> None:
         check_partition(run_id, step)
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
-            raise TypeError(f"row_group_size must be an int, got {row_group_size!r}")
+            raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
         if row_group_size <= 0:
-            raise ValueError(f"row_group_size must be positive, got {row_group_size}")
+            raise InvalidArgumentError(f"row_group_size must be positive, got {row_group_size}")
         self.store = store
         self.run_id = run_id
         self.step = step
@@ -146,6 +160,7 @@ class RolloutWriter:
         self.committed: list[str] = []
         self._adapter = adapter
         self._layouts: dict[str, Layout] = {}
+        self._run_layouts: list[Layout] | None = None
         self._sample_ids: set[str] = set()
         self._known_media: set[tuple[str, str]] = set()
         self._pending: list[dict[str, Any]] = []
@@ -181,7 +196,7 @@ class RolloutWriter:
                 used[fingerprint] = layout
             return layout
 
-        token_ids = self._adapter.special_token_ids if self._adapter is not None else ()
+        token_ids = self._placeholder_ids()
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids)
         except InvalidRolloutError as exc:
@@ -200,6 +215,20 @@ class RolloutWriter:
     def write_many(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
             self.write(rollout)
+
+    def _placeholder_ids(self) -> frozenset[int]:
+        """Image-only token ids no text may hold (the rule in the class docstring)."""
+        if self._adapter is not None:
+            return self._adapter.special_token_ids
+        layouts = known_layouts()
+        if not layouts:
+            if self._run_layouts is None:  # read once per writer
+                self._run_layouts = [
+                    layout_from_record(record)
+                    for record in run_layouts(self.store, self.run_id).values()
+                ]
+            layouts = self._run_layouts
+        return frozenset().union(*(family_for_layout(x).special_token_ids for x in layouts))
 
     def _layout(self, fingerprint: str) -> Layout | None:
         if self._adapter is not None and self._adapter.fingerprint == fingerprint:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from ._backends import S3Backend
-from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
+from ._exceptions import InvalidArgumentError, MediaNotFoundError, MmstoreError, NoMatchError
 from ._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
 from ._progress import bar
 from ._refscan import partition_of
@@ -101,7 +101,7 @@ def summary(
     keys = list(by)
     unknown = set(keys) - set(SUMMARY_KEYS)
     if unknown:
-        raise ValueError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
+        raise InvalidArgumentError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
     files = store.rollout_files()  # one listing: every figure below is of the same files
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
@@ -214,13 +214,17 @@ def sample(
     return found.row(0, named=True)
 
 
+# Thumbnails of 1080p screenshots need about a third of their width for UI text to stay legible.
+THUMB_SIZE = 640
+
+
 def sample_view(
     store: Store,
     sample_id: str,
     *,
     run_id: str | None = None,
     step: int | None = None,
-    thumb: int = 192,
+    thumb: int = THUMB_SIZE,
 ) -> Image.Image:
     """A header line, the thumbnails of the sample's images and its token strip, stacked."""
     row = sample(store, sample_id, run_id=run_id, step=step)
@@ -242,39 +246,51 @@ def sample_view(
     return out
 
 
-def thumbnails(store: Store, row: dict[str, Any], *, size: int = 192) -> Image.Image:
-    """The row's images side by side, each labelled with its index, size, hash and span.
+def thumbnails(store: Store, row: dict[str, Any], *, size: int = THUMB_SIZE) -> Image.Image:
+    """The row's images side by side, each scaled to fit ``size`` x ``size`` and labelled
+    with its index, size, hash and span; tiles are as tall as the tallest image needs.
 
-    Media that is missing or does not verify shows as a grey tile saying why.
+    Media that is missing or does not verify shows as a grey square tile saying why.
     """
     refs = row["images"]
     font = _font(12)
     label_h = 34
-    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), size + label_h), "white")
+    shown: list[Image.Image | str] = [_thumbnail(store, ref, size) for ref in refs]
+    height = max([s.height for s in shown if isinstance(s, Image.Image)] or [size])
+    if any(isinstance(s, str) for s in shown):
+        height = size
+    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), height + label_h), "white")
     draw = ImageDraw.Draw(tiles)
     if not refs:
         draw.text((4, 4), "(no images)", fill="gray", font=font)
-    for index, ref in enumerate(refs):
+    for index, (ref, image) in enumerate(zip(refs, shown, strict=True)):
         x = index * (size + 8)
-        try:
-            image = store.open_image(ref["uri"], ref["hash"])
-            image.thumbnail((size, size))
-            tiles.paste(image, (x + (size - image.width) // 2, (size - image.height) // 2))
-        except (MmstoreError, OSError) as exc:
-            reason = "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
-            draw.rectangle([x, 0, x + size - 1, size - 1], fill=(215, 215, 215))
-            left = x + (size - draw.textlength(reason, font=font)) // 2
-            draw.text((left, size // 2 - 8), reason, fill=(200, 0, 0), font=font)
-        draw.rectangle([x, 0, x + size - 1, size - 1], outline=(190, 190, 190))
+        if isinstance(image, Image.Image):
+            tiles.paste(image, (x + (size - image.width) // 2, (height - image.height) // 2))
+        else:
+            draw.rectangle([x, 0, x + size - 1, height - 1], fill=(215, 215, 215))
+            left = x + (size - draw.textlength(image, font=font)) // 2
+            draw.text((left, height // 2 - 8), image, fill=(200, 0, 0), font=font)
+        draw.rectangle([x, 0, x + size - 1, height - 1], outline=(190, 190, 190))
         end = ref["offset"] + ref["length"]
         draw.text(
-            (x, size + 2),
+            (x, height + 2),
             f"#{index}  {ref['width']}x{ref['height']}  {ref['hash'][:10]}\n"
             f"tokens [{ref['offset']}, {end})  len {ref['length']}",
             fill="black",
             font=font,
         )
     return tiles
+
+
+def _thumbnail(store: Store, ref: dict[str, Any], size: int) -> Image.Image | str:
+    """The image scaled to fit ``size``, or why it cannot be shown."""
+    try:
+        image = store.open_image(ref["uri"], ref["hash"])
+    except (MmstoreError, OSError) as exc:
+        return "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
+    image.thumbnail((size, size))
+    return image
 
 
 # Token strip colours: prompt text, completion text (in / out of the loss), image spans.
@@ -325,8 +341,11 @@ def token_strip(row: dict[str, Any], *, columns: int = 128, cell: int = 7) -> Im
         if mask[i]:
             draw.rectangle([x, y + cell_h + 1, x + cell - 1, y + cell_h + 3], fill=LOSS_MARK)
         if i == prompt_len:
-            # In the white gap before the token, clear of the cells and the loss bars.
+            # A line in the white gap before the token, clear of the cells and the loss bars,
+            # under a flag and a label in the label row, where a person sees it.
             draw.rectangle([x - 1, y - 3, x - 1, y + cell_h], fill=PROMPT_END)
+            draw.rectangle([x - 1, y - label_h + 1, x + 2, y - 2], fill=PROMPT_END)
+            draw.text((x + 5, y - label_h), "completion", fill=PROMPT_END, font=font)
         if image_of[i] >= 0 and (i == 0 or image_of[i - 1] != image_of[i]):
             draw.text((x, y - label_h), f"#{image_of[i]}", fill="black", font=font)
     return strip

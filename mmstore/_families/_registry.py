@@ -132,6 +132,11 @@ def register_layout(layout: Layout) -> None:
     )
 
 
+def known_layouts() -> list[Layout]:
+    """Every layout an adapter of this process has registered."""
+    return list(_LAYOUTS.values())
+
+
 def layout_for_fingerprint(fingerprint: str) -> Layout | None:
     """The layout of an adapter built in this process, or None."""
     return _LAYOUTS.get(fingerprint)
