@@ -130,12 +130,14 @@ class RolloutWriter:
     called); then every row written becomes visible at once, as one Parquet file named
     ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
 
-    An image placeholder token outside every image span is refused, in rows with images and
-    in text-only rows alike, whenever the writer knows the placeholder id: from ``adapter=``
-    if given (only its id: a custom tokenizer's), else from every adapter built in this
-    process (``mmstore.adapter_for``), else from the layouts recorded in the newest
-    committed files of the same run. A writer that knows none of these (a fresh process
-    writing text-only rows into a new run) cannot tell a placeholder from text.
+    An image-only token (a family's placeholder, break or end token) outside every image
+    span is refused, in rows with images and in text-only rows alike, whenever the writer
+    knows the family: the families of the row's own images always count; beyond them, the
+    family of ``adapter=`` if given (only its ids: a custom tokenizer's), else the families
+    this writer's rows used, else those recorded in the newest committed files of the same
+    run, else the adapters built in this process (``mmstore.adapter_for``) when they are all
+    of one family. A writer that knows none of these (a fresh process writing text-only rows
+    into a new run) cannot tell a placeholder from text.
     """
 
     def __init__(
@@ -217,10 +219,16 @@ class RolloutWriter:
             self.write(rollout)
 
     def _placeholder_ids(self) -> frozenset[int]:
-        """Image-only token ids no text may hold (the rule in the class docstring)."""
+        """Image-only token ids no text may hold (the rule in the class docstring).
+
+        One family's image-only token is ordinary text to another (Pixtral's ``[IMG_END]``
+        is id 13), so the ids come from the most specific family known: the adapter, then
+        the families this writer's rows used, then the run's recorded layouts, then the
+        adapters of this process if they are all of one family.
+        """
         if self._adapter is not None:
             return self._adapter.special_token_ids
-        layouts = known_layouts()
+        layouts = list(self._layouts.values())
         if not layouts:
             if self._run_layouts is None:  # read once per writer
                 self._run_layouts = [
@@ -228,6 +236,9 @@ class RolloutWriter:
                     for record in run_layouts(self.store, self.run_id).values()
                 ]
             layouts = self._run_layouts
+        if not layouts:
+            built = known_layouts()
+            layouts = built if len({x.family for x in built}) == 1 else []
         return frozenset().union(*(family_for_layout(x).special_token_ids for x in layouts))
 
     def _layout(self, fingerprint: str) -> Layout | None:
