@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._refscan import distinct_leaf, open_rollout_file, partition_of, select_files
+from ._refscan import (
+    check_value_counts,
+    distinct_leaf,
+    open_rollout_file,
+    partition_of,
+    reading,
+    select_files,
+)
 from ._schema import check_schema_version
 
 if TYPE_CHECKING:
@@ -101,5 +108,8 @@ def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
         handle = handles.get(unit.file) or handles.setdefault(
             unit.file, open_rollout_file(store, unit.file)
         )
-        tables.append(handle.read_row_group(unit.row_group, columns=ROW_COLUMNS))
+        with reading(unit.file):
+            table = handle.read_row_group(unit.row_group, columns=ROW_COLUMNS)
+        check_value_counts(handle.metadata, unit.row_group, table, unit.file)
+        tables.append(table)
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})

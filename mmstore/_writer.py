@@ -53,6 +53,10 @@ COLUMN_ENCODING = {"logprobs.list.element": "BYTE_STREAM_SPLIT"}
 ZSTD_LEVEL = 1
 # Min/max statistics only where a predicate can use them; list columns get none.
 STATISTICS_COLUMNS = ["sample_id", "group_id", "prompt_len", "reward", "advantage"]
+# A CRC-32 of every page, checked on every read (open_rollout_file): a flipped bit in a page
+# becomes a CorruptFileError instead of different tokens. Readers that ignore checksums
+# (older pyarrow, other engines) read the files as before.
+PAGE_CHECKSUMS = True
 
 
 def parquet_options() -> dict[str, Any]:
@@ -63,6 +67,7 @@ def parquet_options() -> dict[str, Any]:
         "use_dictionary": DICTIONARY_COLUMNS or False,
         "column_encoding": COLUMN_ENCODING,
         "write_statistics": STATISTICS_COLUMNS,
+        "write_page_checksum": PAGE_CHECKSUMS,
     }
 
 
