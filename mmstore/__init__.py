@@ -7,6 +7,7 @@ from ._adapters import Layout, QwenVLAdapter, adapter_for
 from ._exceptions import (
     CorruptFileError,
     DecompressionBombError,
+    DeleteFailedError,
     DestinationExistsError,
     HashMismatchError,
     ImageDecodeError,
@@ -56,6 +57,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CorruptFileError",
+    "DeleteFailedError",
     "DestinationExistsError",
     "InvalidArgumentError",
     "NoMatchError",

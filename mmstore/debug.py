@@ -24,9 +24,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ._adapters import Layout, layout_for_fingerprint
 from ._backends import S3Backend
-from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
+from ._exceptions import CorruptFileError, MediaNotFoundError, MmstoreError, NoMatchError
 from ._progress import bar
-from ._refscan import partition_of
+from ._refscan import partition_of, reading
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:
@@ -419,10 +419,30 @@ def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> 
     """Layouts recorded in the rollout files' key-value metadata (footers only)."""
     layouts: dict[str, Layout] = {}
     for rel in bar(paths, desc="reading footers", unit="file", progress=progress):
-        meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs).metadata
-        raw = (meta or {}).get(META_LAYOUTS)
-        for fingerprint, params in json.loads(raw or b"{}").items():
-            layouts.setdefault(fingerprint, Layout(**params))
+        with reading(rel):
+            meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs)
+        raw = (meta.metadata or {}).get(META_LAYOUTS)
+        for fingerprint, layout in _footer_layouts(raw, rel).items():
+            layouts.setdefault(fingerprint, layout)
+    return layouts
+
+
+def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
+    """The ``mmstore.layouts`` of one footer, each checked to lay out an image."""
+    try:
+        found = json.loads(raw or b"{}")
+        layouts = {str(fp): Layout(**params) for fp, params in found.items()}
+        for layout in layouts.values():
+            values = layout.params().values()
+            if any(isinstance(v, int) and v <= 0 for v in values):
+                raise ValueError("non-positive layout parameter")
+            layout.pixel_shape(224, 224)
+    # Forged metadata can fail in any way (bad JSON, wrong keys or types, zero sizes, deep
+    # nesting); whichever it is, the footer is what is wrong: say so, naming the file.
+    except Exception as exc:
+        raise CorruptFileError(
+            f"unreadable layouts in the footer ({type(exc).__name__}: {exc})", file=rel
+        ) from None
     return layouts
 
 
