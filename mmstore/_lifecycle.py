@@ -23,6 +23,10 @@ put after the claim re-creates M (M is not deleted after all). A put before
 step 2 and M was marked: no such M. The mtime read in step 1 alone would not do: a writer
 can touch M after step 1 and commit after step 2; the re-check at the claim catches that.
 
+A gc killed between a claim and its decision leaves the only name of that media in
+``_staging/``; the next gc links every such claim back first (the claim keeps the media's
+name), so a file touched meanwhile is referenced again; until then it reads as missing.
+
 What is left: S3 has no atomic claim, so a put that lands between the HEAD and the DELETE
 (one round trip) of an unreferenced image older than the grace period can still lose it;
 keep the grace period far above any write's duration and clock skew between machines.
