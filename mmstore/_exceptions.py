@@ -121,3 +121,7 @@ class MediaNotFoundError(MediaError, FileNotFoundError):
 
 class HashMismatchError(MediaError, ValueError):
     """Media bytes whose content hash differs from the one referenced."""
+
+
+class SampleTooLongError(InvalidRolloutError):
+    """A sample longer than the packed loader's ``max_tokens`` (refused when planning)."""
