@@ -25,9 +25,12 @@ FILLER_ID = "<filler>"
 
 
 def packed_input_names(family: Family) -> tuple[str, ...]:
-    """What the family's model takes from a packed micro-batch: position ids, no padding mask."""
+    """What the family's model takes from a packed micro-batch: position ids, no padding mask,
+    and ``use_cache=False``: transformers derives the per-sample block mask from the position
+    ids only without a KV cache, and an eval-mode model builds one by default, silently letting
+    packed samples attend to each other."""
     names = [name for name in family.model_input_names if name != "attention_mask"]
-    return (names[0], "position_ids", *names[1:])
+    return (names[0], "position_ids", *names[1:], "use_cache")
 
 
 def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch.Tensor:
@@ -73,6 +76,7 @@ def pack(
         "input_ids": input_ids,
         "position_ids": pos if family.position_rows == 1 else pos[:, None, :],
         "cu_seqlens": cu,
+        "use_cache": False,
         "max_seqlen": max(lengths),
         "loss_mask": torch.cat([seg[1] for seg in segments])[None],
         **family.token_types(input_ids),

@@ -24,7 +24,7 @@ from ._schema import decode_num_tokens
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-    from ._scan import Snapshot, WorkUnit
+    from ._scan import Snapshot
     from ._store import Store
 
 

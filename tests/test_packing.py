@@ -85,6 +85,7 @@ def test_micro_batches_hold_whole_samples_within_budget(mixed, small_processor):
         "pixel_values",
         "image_grid_thw",
         "mm_token_type_ids",
+        "use_cache",
     )
     seen = []
     for batch in loader:
