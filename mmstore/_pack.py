@@ -49,47 +49,44 @@ def epoch_order(
     shuffle: bool,
     window_units: int,
 ) -> np.ndarray:
-    """Flat row indices (``unit_offsets`` numbering) in this epoch's global order."""
+    """Flat row indices (``unit_offsets`` numbering) in this epoch's global order.
+
+    Vectorized: every block gets a random key from one generator seeded by (seed, epoch);
+    blocks are sorted by (window, key), so they move only within their window.
+    """
     index = {unit: i for i, unit in enumerate(snapshot.units)}
-    units = [
-        index[u]
-        for u in rank_units(snapshot, seed=seed, epoch=epoch, shuffle=shuffle, rank=0, world_size=1)
-    ]
-    pieces = []
-    for w, lo in enumerate(range(0, len(units), window_units)):
-        rows = np.concatenate(
-            [np.arange(unit_offsets[u], unit_offsets[u + 1]) for u in units[lo : lo + window_units]]
-        )
-        if shuffle and len(rows):
-            rng = _rng(seed, epoch, 0, w, 0xB10C)
-            rows = rows[permute_blocks(np.flatnonzero(block_start[rows]), len(rows), rng)]
-        pieces.append(rows)
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    ranked = rank_units(snapshot, seed=seed, epoch=epoch, shuffle=shuffle, rank=0, world_size=1)
+    units = np.fromiter((index[u] for u in ranked), dtype=np.int64, count=len(ranked))
+    sizes = unit_offsets[units + 1] - unit_offsets[units]
+    rows = _ranges(unit_offsets[units], sizes)
+    if not shuffle or not len(rows):
+        return rows
+    window = np.repeat(np.arange(len(units)) // window_units, sizes)
+    starts = np.flatnonzero(block_start[rows] | np.r_[True, window[1:] != window[:-1]])
+    keys = _rng(seed, epoch, 0xB10C).random(len(starts))
+    order = np.lexsort((keys, window[starts]))
+    lengths = np.diff(np.append(starts, len(rows)))
+    return rows[_ranges(starts[order], lengths[order])]
 
 
-def permute_blocks(starts: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """A permutation of ``range(n)`` moving whole blocks (``starts`` = first row of each)."""
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.asarray(starts, dtype=np.int64)
-    sizes = np.diff(np.append(starts, n))
-    order = rng.permutation(len(starts))
-    sizes_p, starts_p = sizes[order], starts[order]
-    begin = np.cumsum(sizes_p) - sizes_p
-    return np.arange(n) - np.repeat(begin, sizes_p) + np.repeat(starts_p, sizes_p)
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, a + n) for a, n in zip(starts, sizes)])``, vectorized."""
+    total = int(sizes.sum())
+    begin = np.cumsum(sizes) - sizes
+    return np.arange(total, dtype=np.int64) - np.repeat(begin - starts, sizes)
 
 
-def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bins of many independent problems at once: one per row of ``lengths`` ([S, n], 0 =
-    no item). Returns (bin of each item, -1 for none; number of bins of each row).
+def first_fit_decreasing(ranked: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bins of many independent problems at once: one per row of ``ranked`` ([S, n], each
+    row sorted largest first, 0 = no item). Returns (bin of each item, -1 for none; number of
+    bins of each row).
 
     Exact first-fit decreasing, vectorized over rows: one numpy pass over the open bins of
     every row per item rank, so an epoch of steps packs together. (A per-row max-tree of free
     room was slower in numpy: its gathers miss the cache, the linear scan streams.)
     """
-    steps, n = lengths.shape
-    order = np.argsort(-lengths, axis=1, kind="stable")
-    ranked = np.take_along_axis(lengths, order, axis=1).astype(np.int32)
+    steps, n = ranked.shape
+    ranked = ranked.astype(np.int32)
     room = np.full((steps, max(n, 1)), capacity, dtype=np.int32)
     bins_ranked = np.full((steps, n), -1, dtype=np.int64)
     rows = np.arange(steps)
@@ -105,22 +102,18 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
         room[rows, chosen] -= size
         bins_ranked[:, j] = np.where(size > 0, chosen, -1)
         used = max(used, int(chosen.max()) + 1)
-    bins = np.empty_like(bins_ranked)
-    np.put_along_axis(bins, order, bins_ranked, axis=1)
-    return bins, (bins.max(axis=1, initial=-1) + 1)
+    return bins_ranked, (bins_ranked.max(axis=1, initial=-1) + 1)
 
 
 def least_loaded(
-    lengths: np.ndarray, capacity: int, num_bins: np.ndarray
+    ranked: np.ndarray, capacity: int, num_bins: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's items, largest first, into the least-loaded of its ``num_bins`` bins.
+    """Each row's items (sorted largest first) into the least-loaded of its ``num_bins`` bins.
 
     Gives near-equal bins (within about the smallest item). Returns (bin of each item, -1 for
     none; whether every item of the row fitted within ``capacity``).
     """
-    steps, n = lengths.shape
-    order = np.argsort(-lengths, axis=1, kind="stable")
-    ranked = np.take_along_axis(lengths, order, axis=1)
+    steps, n = ranked.shape
     width = int(num_bins.max(initial=1))
     load = np.zeros((steps, width), dtype=np.int64)
     load[np.arange(width)[None, :] >= num_bins[:, None]] = np.iinfo(np.int64).max // 2
@@ -135,9 +128,7 @@ def least_loaded(
         load[rows, chosen] += size
         ok &= load[rows, chosen] <= capacity
         bins_ranked[:, j] = np.where(size > 0, chosen, -1)
-    bins = np.empty_like(bins_ranked)
-    np.put_along_axis(bins, order, bins_ranked, axis=1)
-    return bins, ok
+    return bins_ranked, ok
 
 
 def pack_steps(
@@ -151,19 +142,22 @@ def pack_steps(
     decreasing; if that needs no more micro-batches per rank, its packing is kept, else the
     even fill is tried once more with the larger ``K`` before first-fit is kept.
     """
+    order = np.argsort(-lengths, axis=1, kind="stable")
+    ranked = np.take_along_axis(lengths, order, axis=1)
     lower = np.maximum(1, -(-lengths.sum(axis=1) // (capacity * world_size)))
-    bins, ok = least_loaded(lengths, capacity, lower * world_size)
+    bins_ranked, ok = least_loaded(ranked, capacity, lower * world_size)
     per_rank = lower.copy()
-    if ok.all():
-        return bins, per_rank
     bad = np.flatnonzero(~ok)
-    ffd, used = first_fit_decreasing(lengths[bad], capacity)
-    per_rank[bad] = np.maximum(1, -(-used // world_size))
-    bins[bad] = ffd
-    retry = bad[per_rank[bad] > lower[bad]]
-    if len(retry):
-        again, fitted = least_loaded(lengths[retry], capacity, per_rank[retry] * world_size)
-        bins[retry[fitted]] = again[fitted]
+    if len(bad):
+        ffd, used = first_fit_decreasing(ranked[bad], capacity)
+        per_rank[bad] = np.maximum(1, -(-used // world_size))
+        bins_ranked[bad] = ffd
+        retry = bad[per_rank[bad] > lower[bad]]
+        if len(retry):
+            again, fitted = least_loaded(ranked[retry], capacity, per_rank[retry] * world_size)
+            bins_ranked[retry[fitted]] = again[fitted]
+    bins = np.empty_like(bins_ranked)
+    np.put_along_axis(bins, order, bins_ranked, axis=1)
     return bins, per_rank
 
 
