@@ -71,18 +71,16 @@ PARTITION_FIELDS = (pa.field("run_id", pa.string()), pa.field("step", pa.int32()
 
 
 def file_metadata(
-    run_id: str, step: int, layouts: dict[str, Any], num_tokens: Sequence[int] | None = None
+    run_id: str, step: int, layouts: dict[str, Any], num_tokens: Sequence[int] = ()
 ) -> dict[bytes, bytes]:
-    """Key-value metadata of one rollout Parquet file."""
-    metadata = {
+    """Key-value metadata of one rollout Parquet file (``num_tokens``: each row's count)."""
+    return {
         META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
         META_RUN_ID: run_id.encode(),
         META_STEP: str(step).encode(),
         META_LAYOUTS: json.dumps(layouts, sort_keys=True).encode(),
+        META_NUM_TOKENS: encode_num_tokens(num_tokens),
     }
-    if num_tokens is not None:
-        metadata[META_NUM_TOKENS] = encode_num_tokens(num_tokens)
-    return metadata
 
 
 def encode_num_tokens(num_tokens: Sequence[int]) -> bytes:
