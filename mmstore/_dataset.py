@@ -340,7 +340,12 @@ class RolloutLoader:
         total = len(self)
         stream: IterableDataset[dict[str, Any]]
         if self._planner is not None:
-            stream = PackedStream(self._planner, epoch=self.epoch, start=self.batches_yielded)
+            stream = PackedStream(
+                self._planner,
+                epoch=self.epoch,
+                start=self.batches_yielded,
+                pad_token_id=self.pad_token_id,
+            )
         else:
             stream = _BatchStream(
                 self.dataset,

@@ -46,7 +46,7 @@ class PackedPlanner:
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         self._meta: tuple[tuple[str, ...], RowMeta] | None = None
-        self._plans: dict[int, tuple[RankPlan, np.ndarray, int]] = {}
+        self._plans: dict[int, tuple[RankPlan, np.ndarray]] = {}  # the last epoch planned
 
     def meta(self) -> RowMeta:
         files = self.dataset.snapshot.files
@@ -83,9 +83,8 @@ class PackedPlanner:
                 world_size=ds.world_size,
                 budget=self.budget(),
             )
-            self._plans = {epoch: (packing.for_rank(ds.rank), order, self.budget())}
-        plan, order, _ = self._plans[epoch]
-        return plan, order
+            self._plans = {epoch: (packing.for_rank(ds.rank), order)}
+        return self._plans[epoch]
 
     def _refuse_too_long(self, meta: RowMeta) -> None:
         budget = self.budget()
@@ -121,8 +120,11 @@ class PackedPlanner:
 class PackedStream(IterableDataset[dict[str, Any]]):
     """Micro-batches ``start, start+1, …`` of one rank's epoch, split across workers."""
 
-    def __init__(self, planner: PackedPlanner, *, epoch: int, start: int) -> None:
+    def __init__(
+        self, planner: PackedPlanner, *, epoch: int, start: int, pad_token_id: int | None = None
+    ) -> None:
         self.planner = planner
+        self.pad_token_id = pad_token_id
         self.epoch = epoch
         self.start = start
 
@@ -136,7 +138,13 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         for index in range(self.start + worker, len(plan), workers):
             hits, misses = cache.hits, cache.misses
             samples = [self._sample(int(order[p]), units) for p in plan.samples(index)]
-            batch = pack(samples, ds.adapter, add_dummy=bool(plan.dummy[index]), dtype=ds.dtype)
+            batch = pack(
+                samples,
+                ds.adapter,
+                add_dummy=bool(plan.dummy[index]),
+                dtype=ds.dtype,
+                pad_token_id=self.pad_token_id,
+            )
             batch.update(
                 epoch=self.epoch,
                 step=int(plan.step[index]),

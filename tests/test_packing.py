@@ -344,3 +344,37 @@ def test_planner_invariants(world, seed):
         imaged = [bool(images[rp.samples(i)].any()) or bool(rp.dummy[i]) for rp in per_rank]
         assert all(imaged) or not any(imaged)
         assert not any(rp.dummy[i] and images[rp.samples(i)].any() for rp in per_rank)
+
+
+def test_one_dimensional_families_restart_positions_per_sample(small_processor):
+    """A 1-D RoPE family (its position_ids the base 0..L-1) packs to ``[1, T]`` positions."""
+    from mmstore._families import Family
+    from mmstore._families.qwen_vl import QwenVL
+    from mmstore._materialize import Sample
+    from mmstore._microbatch import pack
+
+    class OneD(QwenVL):
+        position_rows = 1
+        position_ids = Family.position_ids
+
+    family = OneD(mmstore.adapter_for(small_processor).layout)
+
+    def sample(sid, n):
+        return Sample(
+            sid,
+            None,
+            torch.arange(n) + 5,
+            torch.ones(n, dtype=torch.bool),
+            torch.zeros(n, dtype=torch.bool),
+            None,
+            1,
+            0.0,
+            0.0,
+        )
+
+    batch = pack([sample("a", 3), sample("b", 4)], family, add_dummy=True, dtype=torch.float32)
+    dummy = family.num_tokens(*family.dummy_size)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, *range(dummy)]]
+    assert batch["cu_seqlens"].tolist() == [0, 3, 7, 7 + dummy]
+    assert batch["sample_ids"] == ["a", "b", "<filler>"]
+    assert batch["image_grid_thw"].shape == (1, 3) and "logprobs" not in batch
