@@ -3,34 +3,40 @@
 Definitions (the packed loader's contract):
 
 - **Epoch order.** Row groups are permuted by (seed, epoch) as in :mod:`._order`, but *not*
-  dealt to ranks: all ranks share one global sequence. It is read in windows of
-  ``window_units`` row groups; inside a window, blocks (runs of one group_id, i.e. a GRPO group
-  written together) are permuted, so a group lands in one step.
+  dealt to ranks: all ranks share one global sequence. It is cut in windows of
+  ``window_units`` row groups; inside a window, blocks (runs of one group_id within a row
+  group, i.e. a GRPO group written together) are permuted.
 - **Step.** Step ``s`` is positions ``[s*B*W, (s+1)*B*W)`` of that sequence (``B`` =
   ``batch_size`` per rank, ``W`` = world size; the last step may be shorter). Every real row
   is in exactly one step, on exactly one rank, in exactly one micro-batch.
-- **Micro-batches.** A step's samples are packed, all ranks' together, into bins of at most
-  ``budget`` tokens by first-fit decreasing (samples never split). When the epoch has any
-  image, ``budget = max_tokens - dummy_tokens``: every micro-batch keeps room for the
-  family's dummy image (one token for Qwen-VL), so filler never breaks ``max_tokens``.
-- **Ranks.** The bins are dealt so that every rank gets the same number ``num_micro =
-  ceil(bins / W)`` (a rank short of bins gets empty filler micro-batches): in rounds of ``W``
-  bins, largest first, each round's heaviest bin to the rank with the fewest tokens so far.
+- **Micro-batches.** A step's samples, all ranks' together, go into ``W * K`` bins of at
+  most ``budget`` tokens (samples never split), ``K`` = micro-batches per rank, starting at
+  its lower bound ``ceil(tokens / (budget * W))``, largest sample first into the least-loaded
+  bin, so bins come out nearly equal. A step that does not fit so is packed by first-fit
+  decreasing (``K = ceil(bins / W)``), and filled evenly again at that ``K`` if it fits.
+  When the epoch has any image, ``budget = max_tokens - dummy_tokens``: every micro-batch
+  keeps room for the family's dummy image (one token for Qwen-VL at its defaults), so
+  filler never breaks ``max_tokens``.
+- **Ranks.** Every rank gets exactly ``num_micro = K`` bins (empty ones are filler
+  micro-batches): in rounds of ``W`` bins, largest first, each round's heaviest bin to the
+  rank with the fewest tokens so far (largest-first greedy with equal counts; measured at
+  max/mean rank load 1.02 mean, 1.04 worst, see ``benchmarks/bench_pack.py``).
   The cost balanced is *tokens*: each micro-batch index is one lock-step forward/backward on
   every rank (FSDP all-gathers per layer), so what must match is the work per micro-batch,
-  which the token budget bounds, and the tokens per rank, which the dealing evens out. Image
+  which the even fill equalizes, and the tokens per rank, which the dealing evens out. Image
   patches are left out of the cost: the vision tower is a small part of a VLM's FLOPs, and
   each image's tokens already count its patches / merge**2.
 - **Images in lock-step.** Within a rank, micro-batches with images come first. Micro-batch
   ``m`` of a rank gets a zero-loss dummy image iff it has none and some rank's micro-batch
   ``m`` has one, so every rank runs the vision tower on the same micro-batch indices.
-- GRPO groups are kept within one step, not on one rank: tokens are balanced first, so a
-  group's samples may spread over ranks (each rank's image cache then sees the image once).
+- GRPO groups stay adjacent in the epoch order (so a group falls in one step, unless it
+  straddles a step boundary), but not on one rank: tokens are balanced first, so a group's
+  samples may spread over ranks and micro-batches; each worker's image cache (and the node
+  cache, where there is one) then processes the shared image once per worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -300,7 +306,3 @@ def _order_micros(
 def budget_for(max_tokens: int, dummy_tokens: int, any_images: bool) -> int:
     """Tokens a micro-batch may give real samples (room kept for a dummy image)."""
     return max_tokens - dummy_tokens if any_images else max_tokens
-
-
-def steps_of(lengths: Sequence[int] | np.ndarray, batch_size: int, world_size: int) -> int:
-    return -(-len(lengths) // (batch_size * world_size))
