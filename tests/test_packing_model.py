@@ -105,7 +105,7 @@ def test_each_sample_in_a_micro_batch_matches_it_alone(request, model_store, fam
                 got = logits(model, hidden[cu[i] : cu[i + 1]])
                 torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
                 checked += 1
-    assert checked >= 6
+    assert checked >= 4
     assert packed_many > 0, "the fixture must pack several samples into one micro-batch"
 
 
