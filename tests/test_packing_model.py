@@ -3,8 +3,8 @@ runs alone (fp32, atol 1e-4), with sdpa and eager attention.
 
 Alone, the model computes its own position ids (its rope-index function); packed, it takes the
 micro-batch's, and finds the sample boundaries from their text row. One table entry per family:
-(image-processor fixture, model builder). The 1-D RoPE families (GLM-4V is M-RoPE; Kimi-K2.5,
-Gemma 3, Pixtral are 1-D) are not on main yet; each adds one entry here.
+(image-processor fixture, model builder) for the M-RoPE families; Mistral 3 (Pixtral layout)
+stands for the 1-D RoPE ones.
 """
 
 from __future__ import annotations
@@ -127,3 +127,50 @@ def test_qwen_position_ids_are_the_models_own(model_store, small_processor):
         ids, ds.adapter.token_types(ids)["mm_token_type_ids"], batch["image_grid_thw"][:n]
     )
     assert torch.equal(batch["position_ids"][1:, :, cu[0] : cu[1]], expected)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_1d_rope_family_packed_matches_it_alone(tmp_path, attn):
+    """Mistral 3 (Pixtral layout, 1-D RoPE): position ids restart at 0 per sample."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from tests.test_family_pixtral import END, IMG, _image, _processor, _row, _tiny_mistral3
+
+    processor = _processor(
+        PixtralImageProcessorPil(patch_size=8, size={"longest_edge": 64}), patch_size=8, merge=2
+    )
+    adapter = mmstore.adapter_for(processor)
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    media = [store.put_image(_image(w, h, seed)) for w, h, seed in [(40, 20, 1), (64, 64, 2)]]
+    with store.writer(run_id="r", step=0, adapter=adapter) as w:
+        for k in range(8):
+            images = media[: k % 3]  # 0, 1 or 2 images
+            prompt = [1, 3, *[IMG] * len(images), 4]
+            w.write(_row(adapter, f"s{k}", prompt, images, completion=(4, 3) * (1 + k % 3)))
+    model = _tiny_mistral3(torch.float32)
+    model.set_attn_implementation(attn)
+    ds = mmstore.RolloutDataset(store, processor, dtype=torch.float32, shuffle=False)
+    loader = mmstore.RolloutLoader(ds, batch_size=8, max_tokens=80)
+    checked = packed_many = 0
+    with torch.no_grad():
+        for batch in loader:
+            packed = model(**{k: batch[k] for k in loader.model_input_names}).logits[0]
+            cu = batch["cu_seqlens"].tolist()
+            packed_many += len(cu) > 2
+            image_at = 0
+            for i in range(len(cu) - 1):
+                ids = batch["input_ids"][:, cu[i] : cu[i + 1]]
+                n = int((ids == END).sum())  # one [IMG_END] closes each image
+                alone: dict = {"input_ids": ids}
+                if n:
+                    alone["pixel_values"] = batch["pixel_values"][image_at : image_at + n]
+                    alone["image_sizes"] = batch["image_sizes"][image_at : image_at + n]
+                image_at += n
+                if batch["is_filler"][i]:
+                    continue
+                expected = model(**alone).logits[0]
+                torch.testing.assert_close(packed[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
+                checked += 1
+    assert checked == 8
+    assert packed_many > 0, "the fixture must pack several samples into one micro-batch"
