@@ -52,7 +52,7 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
     for name in columns:
         target = ROLLOUT_SCHEMA.field(name).type
         if name not in table.column_names:
-            raise CorruptFileError(f"rollout file has no {name!r} column", file=file)
+            raise CorruptFileError(f"rollout file has no {name!r} column", **location(file))
         column = table.column(name)
         if column.type != target:
             try:
@@ -61,7 +61,7 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
                 raise CorruptFileError(
                     f"column {name!r} of type {column.type} does not read as the v1 {target}: "
                     f"{exc}",
-                    file=file,
+                    **location(file),
                 ) from None
         arrays.append(column)
     return pa.Table.from_arrays(arrays, names=list(columns))
