@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 import mmstore
@@ -201,13 +203,14 @@ def _schema_with(tokens_type):
 
 
 def test_int64_tokens_read_as_the_v1_schema(store, small_processor, adapter, media):
-    rows = [make_row(adapter, media, f"s{i}", n_images=2) for i in range(3)]
+    rows = [make_row(adapter, media, f"s{i}", n_images=2) for i in range(4)]
     forge(store, adapter, rows)
     expected = load(store, small_processor)
     forge(store, adapter, rows, schema=_schema_with(pa.list_(pa.int64())), run="wide")
-    both = load(store, small_processor, runs=["wide"])
-    assert torch.equal(both[0]["input_ids"], expected[0]["input_ids"])
-    assert torch.equal(both[0]["pixel_values"], expected[0]["pixel_values"])
+    narrow, wide = load(store, small_processor)  # one window over both files
+    for key in ("input_ids", "pixel_values", "loss_mask", "mm_token_type_ids"):
+        assert torch.equal(wide[key], expected[0][key])
+        assert torch.equal(narrow[key], expected[0][key])
     assert mmstore.verify(store).ok
 
 
@@ -287,3 +290,97 @@ def test_cache_hit_still_checks_the_uri(store, small_processor, adapter, media):
     path = forge(store, adapter, [good, evil])
     err = refused(store, small_processor, path, error=mmstore.UntrustedURIError)
     assert err.sample_id == "b" and err.image_index == 0
+
+
+# --- property: whatever the corruption, batches agree or a typed error names the file -------
+
+INTS = st.one_of(st.integers(-3, 300), st.sampled_from([0, 2**31 - 1, -(2**31), 100_000]))
+
+
+@st.composite
+def corruptions(draw):
+    """A list of (operation, arguments) applied in order to a file's rows."""
+    ops = st.one_of(
+        st.tuples(
+            st.just("ref_int"), st.sampled_from(["offset", "length", "width", "height"]), INTS
+        ),
+        st.tuples(st.just("token"), st.integers(0, 40), st.sampled_from([IMG, 7, 8, -1])),
+        st.tuples(st.just("insert"), st.integers(0, 40), st.sampled_from([IMG, 7])),
+        st.tuples(st.just("delete"), st.integers(0, 40)),
+        st.tuples(st.just("shorten"), st.sampled_from(["loss_mask", "logprobs"])),
+        st.tuples(st.just("refs"), st.sampled_from(["dup", "drop", "swap", "reverse"])),
+        st.tuples(st.just("hash"), st.text("0123456789abcdefXYZ", min_size=0, max_size=33)),
+        st.tuples(st.just("uri"), st.sampled_from(["https://x/y.png", "media/../x.png", "/etc/x"])),
+        st.tuples(st.just("prompt_len"), INTS),
+        st.tuples(st.just("family"), st.sampled_from(["glm4v", ""])),
+    )
+    return draw(st.lists(st.tuples(st.integers(0, 2), ops), min_size=1, max_size=4))
+
+
+def _corrupt(rows, row_index, op):
+    row = rows[row_index]
+    kind, *args = op
+    refs = row["images"]
+    if kind == "ref_int" and refs:
+        refs[0][args[0]] = args[1]
+    elif kind == "token" and row["tokens"]:
+        row["tokens"][args[0] % len(row["tokens"])] = args[1]
+    elif kind in ("insert", "delete"):
+        pos = args[0] % (len(row["tokens"]) + 1)
+        if kind == "insert":
+            for name, value in (("tokens", args[1]), ("loss_mask", True), ("logprobs", 0.0)):
+                row[name].insert(pos, value)
+        elif pos < len(row["tokens"]):
+            for name in ("tokens", "loss_mask", "logprobs"):
+                del row[name][pos]
+    elif kind == "shorten" and row[args[0]]:
+        row[args[0]].pop()
+    elif kind == "refs" and refs:
+        how = args[0]
+        row["images"] = {
+            "dup": refs + refs[-1:],
+            "drop": refs[1:],
+            "swap": refs[1:2] + refs[:1] + refs[2:],
+            "reverse": refs[::-1],
+        }[how]
+    elif kind in ("hash", "uri", "family") and refs:
+        refs[-1][kind] = args[0]
+    elif kind == "prompt_len":
+        row["prompt_len"] = args[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    corruptions(),
+    st.booleans(),
+    st.sampled_from([None, 6, 11]),
+    st.sampled_from(["error", "placeholder_zero_loss"]),
+)
+def test_corrupt_rows_give_consistent_batches_or_a_typed_error(
+    tmp_path_factory, small_processor, adapter, damage, wide, max_len, missing
+):
+    store = mmstore.Store.open(tmp_path_factory.mktemp("fuzz") / "s", create=True)
+    media = [store.put_image(photo(seed, *IMG_SIZE)) for seed in range(2)]
+    rows = [make_row(adapter, media, f"s{i}", n_images=i) for i in range(3)]
+    for row_index, op in damage:
+        _corrupt(rows, row_index, op)
+    schema = _schema_with(pa.list_(pa.int64())) if wide else ROLLOUT_SCHEMA
+    try:
+        path = forge(store, adapter, rows, schema=schema)
+    except (pa.ArrowException, OverflowError) as exc:
+        event(f"unwritable: {type(exc).__name__} {str(exc)[:60]}")
+        return  # not even pyarrow writes this row
+    try:
+        batches = load(store, small_processor, max_len=max_len, missing=missing)
+    except mmstore.MmstoreError as exc:
+        event(f"refused: {type(exc).__name__}")
+        assert exc.context.get("file") == path, exc
+        return
+    event("read")
+    merge = small_processor.merge_size**2
+    for batch in batches:
+        ids, grid = batch["input_ids"], batch["image_grid_thw"]
+        image_tokens = int((ids == IMG).sum())
+        assert image_tokens == int(grid.prod(dim=1).sum()) // merge
+        assert batch["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
+        assert torch.equal(batch["mm_token_type_ids"].bool(), ids == IMG)
