@@ -139,11 +139,7 @@ class Materializer:
                 uri=ref.uri,
                 **where,
             )
-        try:
-            # Trust first, hit or miss: cached pixels must not serve a URI nobody trusts.
-            self.store.resolve(ref.uri)
-        except MmstoreError as exc:
-            raise with_context(exc, **where) from None
+        self.check_trust(ref, where)
         key = (ref.hash, self.adapter.fingerprint)
         cached = self.cache.get(key)
         if cached is not None:
@@ -167,6 +163,14 @@ class Materializer:
         nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
         self.cache.put(key, outputs, nbytes)
         return outputs
+
+    def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
+        """Refuse an untrusted URI, hit or miss: cached pixels must not serve a URI nobody
+        trusts (a row may pair a known hash with any URI)."""
+        try:
+            self.store.resolve(ref.uri)
+        except MmstoreError as exc:
+            raise with_context(exc, **where) from None
 
     def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.

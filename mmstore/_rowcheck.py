@@ -107,10 +107,14 @@ class RowWindow:
         self.max_len = max_len
         self.image_token_ids = tuple(image_token_ids)
         self._file = file
-        self._files = table.column(FILE_COLUMN) if FILE_COLUMN in table.column_names else None
+        self._files = None
+        if FILE_COLUMN in table.column_names:
+            self._files = _codes(table.column(FILE_COLUMN).combine_chunks())
+        self._locations: dict[str | None, dict[str, Any]] = {}
         col = {name: table.column(name).combine_chunks() for name in _ROW_FIELDS}
+        # One value per row: Python lists once a window are cheaper than a scalar per call.
         self._scalars = {
-            name: col[name]
+            name: col[name].to_pylist()
             for name in ("sample_id", "group_id", "prompt_len", "reward", "advantage")
         }
         self.tokens = _ListColumn(col["tokens"], np.int32)
@@ -119,13 +123,17 @@ class RowWindow:
         self.images = _RefColumns(col["images"], max_pixels)
 
     def where(self, i: int, sample_id: Any = None) -> dict[str, Any]:
-        file = self._files[i].as_py() if self._files is not None else self._file
-        context = location(file) if file is not None else {}
-        return {**context, "sample_id": sample_id}
+        file = self._file
+        if self._files is not None:
+            codes, names = self._files
+            file = names[codes[i]]
+        if file not in self._locations:
+            self._locations[file] = location(file) if file is not None else {}
+        return {**self._locations[file], "sample_id": sample_id}
 
     def row(self, i: int) -> CheckedRow:
         """Row ``i``, checked and cut; a typed error naming file, run, step and sample."""
-        sid = self._scalars["sample_id"][i].as_py()
+        sid = self._scalars["sample_id"][i]
         where = self.where(i, sid)
         try:
             cut, lo, kept = self._check(i, sid)
@@ -138,20 +146,20 @@ class RowWindow:
         scalar = self._scalars
         return CheckedRow(
             sample_id=sid,
-            group_id=scalar["group_id"][i].as_py(),
+            group_id=scalar["group_id"][i],
             tokens=self.tokens.values[s : s + cut],
             loss_mask=self.loss_mask.values[self.loss_mask.start(i) :][:cut],
             logprobs=logprobs,
-            prompt_len=min(scalar["prompt_len"][i].as_py(), cut),
-            reward=_float(scalar["reward"][i].as_py()),
-            advantage=_float(scalar["advantage"][i].as_py()),
+            prompt_len=min(scalar["prompt_len"][i], cut),
+            reward=_float(scalar["reward"][i]),
+            advantage=_float(scalar["advantage"][i]),
             images=self.images.refs(lo, kept),
             where=where,
         )
 
     def check(self, i: int) -> None:
         """Only the checks of :meth:`row` (``verify``: nothing is built)."""
-        sid = self._scalars["sample_id"][i].as_py()
+        sid = self._scalars["sample_id"][i]
         try:
             self._check(i, sid)
         except MmstoreError as exc:
@@ -211,7 +219,7 @@ class RowWindow:
                 raise InvalidRolloutError(f"{name} holds nulls")
         if self.tokens.has_null(i):
             raise InvalidRolloutError("tokens hold nulls")
-        prompt_len = self._scalars["prompt_len"][i].as_py()
+        prompt_len = self._scalars["prompt_len"][i]
         if prompt_len is None or not 0 <= prompt_len <= n:
             raise InvalidRolloutError(f"prompt_len {prompt_len} is not within the {n} tokens")
         return n
@@ -281,6 +289,7 @@ class _RefColumns:
         self.offset, self.length = ints["offset"], ints["length"]
         self.width, self.height = ints["width"], ints["height"]
         self._problem = self._problems(max_pixels)
+        self._layouts: tuple[tuple[np.ndarray, list[Any]], ...] | None = None
 
     def _problems(self, max_pixels: int) -> np.ndarray:
         """Per ref: 0 if its fields are fine, else 1 + the index of its first failed check."""
@@ -320,10 +329,13 @@ class _RefColumns:
         raise InvalidRolloutError(messages[self._problem[j] - 1], image_index=int(bad[0]))
 
     def layout_of(self, j: int) -> tuple[str, str]:
-        return (
-            self._fields["layout_fingerprint"][j].as_py(),
-            self._fields["family"][j].as_py(),
-        )
+        if self._layouts is None:  # few distinct values: codes, not a string per ref
+            self._layouts = (
+                _codes(self._fields["layout_fingerprint"]),
+                _codes(self._fields["family"]),
+            )
+        (fp_codes, fps), (family_codes, families) = self._layouts
+        return fps[fp_codes[j]], families[family_codes[j]]
 
     def refs(self, lo: int, kept: int) -> list[ImageRef]:
         """The kept refs as ImageRefs, built without validation (every field was checked)."""
@@ -334,6 +346,13 @@ class _RefColumns:
             ImageRef.model_construct(**{name: columns[name][k] for name in IMAGE_FIELDS})
             for k in range(kept)
         ]
+
+
+def _codes(array: pa.Array) -> tuple[np.ndarray, list[Any]]:
+    """A string column as (per-row codes, distinct values): few values, many rows."""
+    encoded = pc.dictionary_encode(array)
+    codes = pc.fill_null(encoded.indices, 0).to_numpy(zero_copy_only=False)
+    return codes, encoded.dictionary.to_pylist() or [None]
 
 
 IMAGE_FIELDS = tuple(f.name for f in ROLLOUT_SCHEMA.field("images").type.value_type)
