@@ -79,6 +79,7 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better"),
         ],
     ),
+    "trust": ("benchmarks.bench_trust", []),
     "scan": (
         "benchmarks.bench_scan",
         [

@@ -20,8 +20,9 @@ from ._exceptions import CorruptFileError, InvalidArgumentError, SampleTooLongEr
 from ._microbatch import pack
 from ._pack import RankPlan, budget_for, epoch_order, plan_epoch
 from ._refscan import open_rollout_file
+from ._rowcheck import RowWindow
 from ._rowmeta import RowMeta, read_row_meta
-from ._scan import ROW_COLUMNS
+from ._scan import read_units
 
 if TYPE_CHECKING:
     from ._dataset import RolloutDataset
@@ -141,7 +142,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         plan, order = self.planner.plan(self.epoch)
         ds = self.planner.dataset
         cache = ds.materializer().cache
-        units: OrderedDict[WorkUnit, list[dict[str, Any]]] = OrderedDict()
+        units: OrderedDict[WorkUnit, RowWindow] = OrderedDict()
         stop = len(plan) if self.stop is None else min(self.stop, len(plan))
         for index in range(self.start + worker, stop, workers):
             hits, misses = cache.hits, cache.misses
@@ -164,14 +165,15 @@ class PackedStream(IterableDataset[dict[str, Any]]):
             )
             yield batch
 
-    def _sample(self, row: int, units: OrderedDict[WorkUnit, list[dict[str, Any]]]) -> Any:
+    def _sample(self, row: int, units: OrderedDict[WorkUnit, RowWindow]) -> Any:
         unit, index = self.planner.locate(row)
-        rows = units.get(unit)
-        if rows is None:
-            rows = units[unit] = _read_rows(self.planner.dataset, unit, None, ROW_COLUMNS)
+        dataset = self.planner.dataset
+        window = units.get(unit)
+        if window is None:  # read, conformed and checked as the padded loader reads
+            window = units[unit] = dataset.materializer().window(read_units(dataset.store, [unit]))
             while len(units) > UNIT_CACHE:
                 units.popitem(last=False)
-        sample = self.planner.dataset.materializer().sample(rows[index])
+        sample = dataset.materializer().checked_sample(window.row(index))
         expected = int(self.planner.meta().lengths[row])
         if len(sample.input_ids) != expected:  # the footer's count is checked, never trusted
             raise CorruptFileError(

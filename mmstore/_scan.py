@@ -25,6 +25,7 @@ from ._refscan import (
     reading,
     select_files,
 )
+from ._rowcheck import FILE_COLUMN, conform
 from ._schema import META_LAYOUTS, check_schema_version
 from ._store import ROLLOUTS
 
@@ -164,16 +165,24 @@ def run_layouts(store: Store, run_id: str) -> dict[str, dict[str, Any]]:
 
 def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
     """Every layout fingerprint in the snapshot -> the runs using it (one leaf column read)."""
+    return {
+        fp: {partition_of(path)[0] for path in paths}
+        for fp, paths in fingerprints_by_file(store, snapshot).items()
+    }
+
+
+def fingerprints_by_file(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
+    """Every layout fingerprint in the snapshot -> the files using it."""
     found: dict[str, set[str]] = {}
     for path in snapshot.files:
-        run_id, _ = partition_of(path)
         for fp in distinct_leaf(store, path, "layout_fingerprint").to_pylist():
-            found.setdefault(fp, set()).add(run_id)
+            found.setdefault(fp, set()).add(path)
     return found
 
 
 def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
-    """The rows of ``units``, in order, as one table (only the loader's columns)."""
+    """The rows of ``units``, in order, as one table: the loader's columns cast to the v1
+    types (or :class:`CorruptFileError` naming the file), and ``_file``, each row's file."""
     tables = []
     handles: dict[str, Any] = {}
     for unit in units:
@@ -181,7 +190,9 @@ def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
             unit.file, open_rollout_file(store, unit.file)
         )
         with reading(unit.file):
-            table = handle.read_row_group(unit.row_group, columns=ROW_COLUMNS)
-        check_value_counts(handle.metadata, unit.row_group, table, unit.file)
-        tables.append(table)
+            raw = handle.read_row_group(unit.row_group, columns=ROW_COLUMNS)
+        check_value_counts(handle.metadata, unit.row_group, raw, unit.file)
+        table = conform(raw, ROW_COLUMNS, file=unit.file)
+        files = pa.array([unit.file] * table.num_rows, pa.string())
+        tables.append(table.append_column(FILE_COLUMN, files))
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})
