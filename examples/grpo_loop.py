@@ -268,7 +268,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--replay", metavar="DEST", help="then export the last window to DEST")
+    p.add_argument("--replay", metavar="DEST", help="then export the last window to DEST (new)")
     return p.parse_args(argv)
 
 
