@@ -31,24 +31,53 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import mmstore
 
-VISION_START, VISION_END = 151652, 151653  # Qwen-VL chat-template tokens around an image
 ACTIONS = range(100, 132)  # the toy action vocabulary: "click button k" is token 100 + k
 PIN_PREFIX = "grpo-ckpt-"
 
 
-def build_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """A tiny random-weight Qwen2-VL and its image processor (small screenshots)."""
-    torch.manual_seed(seed)
+def qwen2_vl() -> tuple[torch.nn.Module, Any, list[int]]:
+    """A tiny random-weight Qwen2-VL, its image processor (small screenshots), and the
+    chat-template tokens around an image."""
     text = dict(vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # fmt: skip
     vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
-                           video_token_id=151656, vision_start_token_id=VISION_START)  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(config)
+                           video_token_id=151656, vision_start_token_id=151652)  # fmt: skip
+    processor = Qwen2VLImageProcessorPil(max_pixels=160 * 120)
+    return Qwen2VLForConditionalGeneration(config), processor, [151652, 151653]
+
+
+def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
+    """The same for GLM-4.1V (its published token ids)."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+            "partial_rotary_factor": 0.5}  # fmt: skip
+    text = dict(vocab_size=151352, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=32, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, image_size=28)  # fmt: skip
+    config = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=151343,
+                         video_token_id=151344, image_start_token_id=151339,
+                         image_end_token_id=151340, video_start_token_id=151341,
+                         video_end_token_id=151342)  # fmt: skip
+    size = {"shortest_edge": 112 * 112, "longest_edge": 160 * 120}
+    processor = Glm4vImageProcessorPil(size=size)
+    return Glm4vForConditionalGeneration(config), processor, [151339, 151340]
+
+
+FAMILIES = {"qwen2-vl": qwen2_vl, "glm4v": glm4v}
+
+
+def build_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, Any, list[int]]:
+    torch.manual_seed(seed)
+    model, processor, wrap = FAMILIES[family]()
     model.set_attn_implementation("eager")
-    return model, Qwen2VLImageProcessorPil(max_pixels=160 * 120)
+    return model, processor, wrap
 
 
 # ---------------------------------------------------------------- rollout side
@@ -75,7 +104,7 @@ def token_logprobs(model: torch.nn.Module, inputs: dict[str, Any], mask: torch.T
     return logp.gather(-1, inputs["input_ids"][:, 1:][mask[:, 1:]][:, None])[:, 0]
 
 
-def play(rng: random.Random, store: mmstore.Store, adapter: Any, task: int) -> tuple[Any, ...]:
+def play(rng: random.Random, store: mmstore.Store, adapter: Any, wrap: list[int], task: int) -> Any:
     """One episode of the toy task: look, click, look again, answer.
 
     Returns the tokens, image refs, loss mask, reward and the images (for the logprobs)."""
@@ -83,7 +112,7 @@ def play(rng: random.Random, store: mmstore.Store, adapter: Any, task: int) -> t
     click = rng.randrange(4)  # the policy's first action
     answer = [rng.choice(ACTIONS) for _ in range(rng.randint(2, 5))]  # and its final answer
     images = [screenshot(task, target), screenshot(task * 10 + click + 1, target)]
-    image = [VISION_START, adapter.image_token_id, VISION_END]
+    image = [wrap[0], adapter.image_token_id, wrap[1]]  # as the chat template emits it
     turns = [  # (tokens, trained on): prompt, action, observation (the click's result), answer
         ([*rng.sample(range(200, 999), 6), *image], False),
         ([ACTIONS[click]], True),
@@ -100,7 +129,7 @@ def play(rng: random.Random, store: mmstore.Store, adapter: Any, task: int) -> t
     return tokens, refs, mask, reward, images
 
 
-def write_rollouts(store, model, processor, run: str, args: argparse.Namespace) -> None:
+def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Namespace) -> None:
     """Generation ``run``: ``--steps-per-gen`` store steps of ``--prompts`` groups of ``-G``.
 
     A step already committed (by a run that was killed later) is kept, not written twice:
@@ -113,7 +142,7 @@ def write_rollouts(store, model, processor, run: str, args: argparse.Namespace) 
         with store.writer(run_id=run, step=step) as writer:
             for p in range(args.prompts):
                 task = rng.randrange(10_000)
-                group = [play(rng, store, adapter, task) for _ in range(args.group_size)]
+                group = [play(rng, store, adapter, wrap, task) for _ in range(args.group_size)]
                 rewards = torch.tensor([g[3] for g in group])
                 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
                 for k, (tokens, refs, mask, reward, images) in enumerate(group):
@@ -193,7 +222,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     store = mmstore.Store.open(args.store, create=True)
-    model, processor = build_model()
+    model, processor, wrap = build_model(args.family)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = torch.load(args.ckpt) if os.path.exists(args.ckpt) else None
     start_gen, step, trained = 0, 0, []
@@ -203,7 +232,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         start_gen, step, trained = ckpt["gen"], ckpt["step"], ckpt["trained"]
     for gen in range(start_gen, args.gens):
         run = f"gen-{gen}"
-        write_rollouts(store, model.eval(), processor, run, args)
+        write_rollouts(store, model.eval(), processor, wrap, run, args)
         loader = make_loader(store, processor, run, args)
         if ckpt is not None and gen == ckpt["gen"]:
             loader.load_state_dict(ckpt["loader"])  # the rest of this pass, exactly
@@ -235,7 +264,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def replay(args: argparse.Namespace, dest: str) -> tuple[float, float]:
     """The last checkpoint's first step, from the store and from an export of its window."""
     store = mmstore.Store.open(args.store)
-    model, processor = build_model()
+    model, processor, _ = build_model(args.family)
     ckpt = torch.load(args.ckpt)
     model.load_state_dict(ckpt["model"])
     run = f"gen-{ckpt['gen']}"
@@ -258,6 +287,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default="runs/grpo-store")
     p.add_argument("--ckpt", default="runs/grpo-ckpt.pt")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2-vl")
     p.add_argument("--gens", type=int, default=3, help="rollout generations")
     p.add_argument("--steps-per-gen", type=int, default=2, help="store steps per generation")
     p.add_argument("--prompts", type=int, default=2, help="GRPO groups per store step")
