@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import random
+from itertools import compress
 from typing import Any
 
 import torch
@@ -205,7 +206,7 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
 
 
 def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, trained) -> None:
-    """Pin the pass's rows first, then save; then drop older pins and what nothing needs."""
+    """Pin the pass's rows first, then save; then drop older pins and generations."""
     name = f"{PIN_PREFIX}{step}"
     mmstore.pin_rows(store, name, runs=[f"gen-{gen}"])  # the rest of this pass reads these
     save_checkpoint(path, dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen,
@@ -215,7 +216,6 @@ def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, traine
             mmstore.unpin(store, old)
     if gen > 0 and glob.glob(f"{store.root}/rollouts/run_id=gen-{gen - 1}"):
         mmstore.release_run(store, f"gen-{gen - 1}", grace_seconds=0)  # no resume needs it
-    mmstore.gc(store, grace_seconds=0)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -241,20 +241,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for batch in loader:
             loss = micro_loss(model, batch, loader.model_input_names, args.batch_size, args.clip)
             loss.backward()
-            ids += [
-                s
-                for s, fill in zip(batch["sample_ids"], batch["is_filler"], strict=True)
-                if not fill
-            ]
+            ids += compress(batch["sample_ids"], (~batch["is_filler"]).tolist())
             if batch["micro"] + 1 < batch["num_micro"]:
                 continue  # gradient accumulation over the step's micro-batches
             opt.step()
             opt.zero_grad()
-            step, trained = step + 1, [*trained, ids]
+            step += 1
+            trained.append(ids)
             ids = []
             print(json.dumps({"step": step, "gen": gen, "samples": len(trained[-1])}), flush=True)
             if step % args.ckpt_every == 0:
                 checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
+            mmstore.gc(store, grace_seconds=0)  # between steps: nothing a resume needs goes
         ckpt = None
         if gen == args.gens - 1:
             checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
