@@ -2,10 +2,11 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import debug, wire
+from . import debug, synth, wire
 from ._exceptions import (
     CorruptFileError,
     DecompressionBombError,
+    DeleteFailedError,
     DestinationExistsError,
     HashMismatchError,
     ImageDecodeError,
@@ -18,6 +19,7 @@ from ._exceptions import (
     MmstoreError,
     NoMatchError,
     NotAStoreError,
+    SampleTooLongError,
     SchemaVersionError,
     UnsupportedProcessorError,
     UntrustedURIError,
@@ -60,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CorruptFileError",
+    "DeleteFailedError",
     "DestinationExistsError",
     "InvalidArgumentError",
     "NoMatchError",
@@ -75,6 +78,7 @@ __all__ = [
     "Family",
     "Layout",
     "LayoutMismatchError",
+    "SampleTooLongError",
     "MediaError",
     "MediaNotFoundError",
     "MediaRef",
@@ -99,6 +103,7 @@ __all__ = [
     "register_family",
     "check_rollout",
     "debug",
+    "synth",
     "export",
     "gc",
     "list_pins",

@@ -61,7 +61,10 @@ def collate(
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         **family.token_types(input_ids),
-        **family.collate_images(images),
+        # No images: None, every model's own "no images" (their vision towers cannot run
+        # on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an empty list, SigLIP and
+        # MoonViT reshape an empty batch).
+        **(family.collate_images(images) if images else dict.fromkeys(family.image_inputs)),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),

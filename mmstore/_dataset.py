@@ -8,6 +8,7 @@ resume at batch ``k`` reads nothing before it.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,8 +27,10 @@ from ._materialize import (
     Sample,
     check_missing_policy,
 )
+from ._microbatch import packed_input_names
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
-from ._scan import Snapshot, fingerprints_by_run, read_units, take_snapshot
+from ._packed import PackedPlanner, PackedStream
+from ._scan import Snapshot, fingerprints_by_run, read_units, recorded_layouts, take_snapshot
 from ._store import Store
 
 STATE_VERSION = 1
@@ -45,7 +48,7 @@ class RolloutDataset(IterableDataset[Sample]):
         self,
         store: Store,
         image_processor: Any,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | str = torch.bfloat16,
         missing: MissingPolicy = "error",
         runs: Iterable[str] | None = None,
         steps: Iterable[int] | None = None,
@@ -59,8 +62,7 @@ class RolloutDataset(IterableDataset[Sample]):
         window_units: int = DEFAULT_WINDOW_UNITS,
     ) -> None:
         check_missing_policy(missing)
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        dtype = training_dtype(dtype)
         self.store = store
         self.image_processor = image_processor
         self.adapter = adapter_for(image_processor)
@@ -82,12 +84,16 @@ class RolloutDataset(IterableDataset[Sample]):
         found = fingerprints_by_run(self.store, snapshot)
         wrong = {fp: runs for fp, runs in found.items() if fp != self.adapter.fingerprint}
         if wrong:
+            stored = recorded_layouts(self.store, snapshot.files)
+            mine = self.adapter.layout.params()
             listing = "; ".join(
-                f"{fp} in runs {sorted(runs)}" for fp, runs in sorted(wrong.items())
+                f"runs {sorted(runs)}: {_layout_diff(stored.get(fp), mine)}"
+                for fp, runs in sorted(wrong.items())
             )
             raise LayoutMismatchError(
-                f"stored image layouts differ from the processor's ({self.adapter.fingerprint}, "
-                f"{self.adapter.layout.params()}): {listing}",
+                f"the processor lays images out differently from how they were stored "
+                f"(stored vs processor) in {listing}. Build the image processor with the stored "
+                "parameters, or select other runs (runs=...)",
                 runs=sorted({r for runs in wrong.values() for r in runs}),
             )
 
@@ -251,13 +257,35 @@ class RolloutLoader:
 
     ``state_dict()`` records the epoch, how many batches this loader has handed out, and the
     snapshot's files; ``load_state_dict()`` continues with exactly the rest of that epoch.
-    When an epoch is read to its end the loader moves on to the next epoch by itself;
-    ``set_epoch(n)`` chooses one explicitly (and starts it from its first batch).
+    When an epoch is read to its end the loader moves on to the next epoch by itself.
+    ``set_epoch(n)`` to the epoch the loader is already in keeps its position (so the usual
+    loop below resumes after ``load_state_dict``, as torchdata's ``StatefulDataLoader``
+    does); any other epoch starts from its first batch::
+
+        loader.load_state_dict(state)                # optional: resume
+        for epoch in range(state["epoch"], epochs):  # or range(epochs) on a fresh run
+            loader.set_epoch(epoch)
+            for batch in loader:
+                ...
+
+    Breaking out of ``for batch in loader`` and iterating again continues after the last
+    batch handed out (a plain ``DataLoader`` would start the epoch over); call
+    ``set_epoch`` with another epoch, or build a new loader, to start afresh.
 
     Ranks get whole row groups, so their batch counts can differ by a few. FSDP/DDP hang
     when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
     the fewest batches any rank has (computed from metadata), dropping the surplus of that
     epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every sample.
+
+    **Packed** (``max_tokens=T``): the loader yields micro-batches of at most ``T`` tokens
+    instead of padded batches (see :mod:`._microbatch` for what one holds). A step is
+    ``batch_size`` samples per rank: positions ``[s*B*W, (s+1)*B*W)`` of the epoch's global
+    order, packed all ranks together and dealt token-balanced, every rank the same
+    ``num_micro`` (see :mod:`._pack`). Every sample appears once per epoch on one rank; the
+    plan comes from footers and small columns only, identically on every rank; ``state_dict``
+    counts micro-batches, so a resume is exact at any micro-batch, any ``num_workers``.
+    A sample longer than the budget is refused when the epoch is planned
+    (:class:`SampleTooLongError`); ``max_len`` truncates first (whole images kept).
     """
 
     def __init__(
@@ -274,9 +302,18 @@ class RolloutLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        max_tokens: int | None = None,
     ) -> None:
         if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+            raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+        if max_tokens is not None and drop_last:
+            raise InvalidArgumentError("drop_last does not apply to packed micro-batches")
+        self.max_tokens = max_tokens
+        self._planner = (
+            None
+            if max_tokens is None
+            else PackedPlanner(dataset, batch_size=batch_size, max_tokens=max_tokens)
+        )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -294,22 +331,42 @@ class RolloutLoader:
     @property
     def model_input_names(self) -> tuple[str, ...]:
         """The batch keys the family's transformers model takes:
-        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs."""
+        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs (packed: position
+        ids and no padding mask)."""
+        if self._planner is not None:
+            return packed_input_names(self.dataset.adapter)
         return self.dataset.adapter.model_input_names
 
     def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch`` next: from its first batch, or from where this loader stands in it
+        if it is the current epoch (the resume point a ``load_state_dict`` set survives)."""
+        if isinstance(epoch, bool) or not hasattr(epoch, "__index__") or operator.index(epoch) < 0:
+            raise InvalidArgumentError(f"epoch must be a non-negative int, got {epoch!r}")
+        epoch = operator.index(epoch)
+        if epoch != self.epoch:
+            self._start_epoch(epoch)
+
+    def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.batches_yielded = 0
 
     def __len__(self) -> int:
-        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks)."""
+        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks);
+        packed: micro-batches, the same number on every rank."""
+        if self._planner is not None:
+            return len(self._planner.plan(self.epoch)[0])
         ds = self.dataset
         ranks = range(ds.world_size) if self.even_ranks else [ds.rank]
         return min(
             ds.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last) for r in ranks
         )
 
-    def _stream(self, epoch: int, start: int, total: int) -> _BatchStream:
+    def _stream(self, epoch: int, start: int, total: int) -> IterableDataset[dict[str, Any]]:
+        """Batches (or packed micro-batches) ``start..total-1`` of ``epoch`` on this rank."""
+        if self._planner is not None:
+            return PackedStream(
+                self._planner, epoch=epoch, start=start, stop=total, pad_token_id=self.pad_token_id
+            )
         return _BatchStream(
             self.dataset,
             epoch=epoch,
@@ -348,7 +405,7 @@ class RolloutLoader:
             self.batches_yielded += 1
             yield batch
         if self.batches_yielded >= total:
-            self.set_epoch(self.epoch + 1)
+            self._start_epoch(self.epoch + 1)
 
     def _order_settings(self) -> dict[str, Any]:
         """Everything besides the snapshot that decides which batch comes when."""
@@ -362,6 +419,9 @@ class RolloutLoader:
             "rank": ds.rank,
             "world_size": ds.world_size,
             "window_units": ds.window_units,
+            "max_tokens": self.max_tokens,
+            # the plan's lengths are after truncation: a packed resume needs the same max_len
+            **({"max_len": ds.max_len} if self.max_tokens is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -387,8 +447,17 @@ class RolloutLoader:
                 + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
             )
         self.dataset.use_snapshot(state["files"])
-        self.set_epoch(int(state["epoch"]))
+        self.epoch = int(state["epoch"])
         self.batches_yielded = int(state["batches_yielded"])
+
+
+def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
+    """``patch_size 14 vs 16, max_pixels …`` over every parameter either side records."""
+    if stored is None:
+        return "a layout their footers do not record"
+    keys = sorted(stored.keys() | mine.keys(), key=lambda k: (k != "family", k))
+    differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
+    return ", ".join(differ) or "the same parameters under another fingerprint"
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -396,5 +465,28 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         return dist.get_rank(), dist.get_world_size()
     rank, world_size = rank or 0, world_size or 1
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        raise InvalidArgumentError(f"rank {rank} is outside world_size {world_size}")
     return rank, world_size
+
+
+# Short names people write for the training dtype, beside torch's own attribute names.
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def training_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A floating torch dtype from a dtype or its name (``"bfloat16"``, ``"torch.float16"``,
+    ``"bf16"``); anything else raises :class:`InvalidArgumentError`."""
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        found = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+        if not isinstance(found, torch.dtype):
+            raise InvalidArgumentError(
+                f"dtype {dtype!r} names no torch dtype; pass torch.bfloat16 or a name such as "
+                "'bfloat16', 'float16', 'float32' (or 'bf16', 'fp16', 'fp32')"
+            )
+        dtype = found
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidArgumentError(
+            f"dtype must be a floating torch dtype (pixel_values are cast to it), got {dtype!r}"
+        )
+    return dtype

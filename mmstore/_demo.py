@@ -3,6 +3,10 @@
 Multi-turn computer-use style samples (PIL-drawn 1080p UI screenshots), GRPO groups whose
 samples share their screenshots, streamed through :class:`RolloutLoader` with the real
 Qwen2-VL image processor (PIL backend, default settings), cast to bf16.
+
+The store is kept (``./mmstore-demo`` unless told otherwise) so the README's commands have
+one to work on; a rerun replaces the demo run in it. ``tmp=True`` writes to a temporary
+directory and deletes it afterwards, saying so.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from typing import Any
 
 from ._progress import bar
 
+DEFAULT_ROOT = "mmstore-demo"
+DEMO_RUN = "demo"
+
 
 def main(
     root: str | None = None,
@@ -24,10 +31,14 @@ def main(
     steps: int = 2,
     batch_size: int = 8,
     num_workers: int = 2,
-    keep: bool = False,
+    tmp: bool = False,
     progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Run the demo; print and return its summary. A temporary store unless ``root``."""
+    """Run the demo; print and return its summary.
+
+    The store goes to ``root`` (default ``./mmstore-demo``) and stays there; an earlier demo
+    run in it is released first. ``tmp=True`` uses a temporary directory, deleted at the end.
+    """
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -37,16 +48,18 @@ def main(
     from ._synth import grpo_rollouts
 
     workdir = None
-    if root is None:
+    if tmp:
         workdir = tempfile.mkdtemp(prefix="mmstore-demo-")
         root = f"{workdir}/store"
+    root = root or DEFAULT_ROOT
     try:
         processor = Qwen2VLImageProcessorPil()
         adapter = adapter_for(processor)
         store = Store.open(root, create=True)
+        _replace_earlier_demo(store)
         started = time.perf_counter()
         for step in bar(range(steps), desc="writing steps", unit="step", progress=progress):
-            with store.writer(run_id="demo", step=step) as writer:
+            with store.writer(run_id=DEMO_RUN, step=step) as writer:
                 for rollout in grpo_rollouts(
                     store,
                     adapter,
@@ -75,11 +88,21 @@ def main(
         read_s = time.perf_counter() - started
 
         summary = _summary(store, seen, hits, misses, write_s, read_s, peak_batch)
-        _print(summary, root if keep or workdir is None else None)
-        return summary
+        _print(summary, root, kept=workdir is None)
+        return {**summary, "root": root, "kept": workdir is None}
     finally:
-        if workdir is not None and not keep:
+        if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _replace_earlier_demo(store: Any) -> None:
+    """A rerun into the same store starts from a clean demo run (its rows would repeat)."""
+    from . import release_run
+
+    prefix = f"rollouts/run_id={DEMO_RUN}/"
+    if any(f.path.startswith(prefix) for f in store.rollout_files()):
+        release_run(store, DEMO_RUN, grace_seconds=0)
+        print(f"replaced the earlier demo run in {store.root}")
 
 
 def _summary(
@@ -113,7 +136,7 @@ def _summary(
     }
 
 
-def _print(summary: dict[str, Any], root: str | None) -> None:
+def _print(summary: dict[str, Any], root: str, *, kept: bool) -> None:
     mib = 2**20
     lines = [
         ("rows", f"{summary['rows']}"),
@@ -138,5 +161,7 @@ def _print(summary: dict[str, Any], root: str | None) -> None:
     print("mmstore demo: synthetic computer-use rollouts, Qwen2-VL processor, bf16")
     for key, value in lines:
         print(f"  {key:<{width}}  {value}")
-    if root:
-        print(f"  store kept at {root}")
+    if kept:
+        print(f"  store kept at {root}: try `mmstore stats {root}` or `mmstore inspect {root}`")
+    else:
+        print(f"  store deleted (it was the temporary {root}; omit --tmp to keep one)")

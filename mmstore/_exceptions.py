@@ -4,6 +4,7 @@
 
     MmstoreError
     ├── InvalidRolloutError        (ValueError)      a row breaks an invariant; names sample + image
+    │   └── SampleTooLongError                       longer than the packed loader's max_tokens
     ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
     ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
     ├── WireFormatError            (ValueError)      a malformed wire-form image ref
@@ -15,6 +16,7 @@
     ├── CorruptFileError           (ValueError)      a committed rollout or pin file that won't read
     ├── NoMatchError               (LookupError)     nothing matches a selection, id or name
     ├── DestinationExistsError     (FileExistsError) an export into a location holding data
+    ├── DeleteFailedError          (OSError)         files a release could not delete
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
     └── MediaError                                   media bytes cannot be served as requested
@@ -103,6 +105,10 @@ class DestinationExistsError(MmstoreError, FileExistsError):
     """An export destination that already holds a store or other files."""
 
 
+class DeleteFailedError(MmstoreError, OSError):
+    """Files that could not be deleted (permissions, immutable, busy); they stay committed."""
+
+
 class ImageDecodeError(MmstoreError, ValueError):
     """Media bytes that Pillow cannot decode safely."""
 
@@ -121,3 +127,7 @@ class MediaNotFoundError(MediaError, FileNotFoundError):
 
 class HashMismatchError(MediaError, ValueError):
     """Media bytes whose content hash differs from the one referenced."""
+
+
+class SampleTooLongError(InvalidRolloutError):
+    """A sample longer than the packed loader's ``max_tokens`` (refused when planning)."""

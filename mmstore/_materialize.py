@@ -14,7 +14,13 @@ import numpy as np
 import torch
 
 from ._cache import ByteLRU
-from ._exceptions import InvalidRolloutError, LayoutMismatchError, MediaNotFoundError, MmstoreError
+from ._exceptions import (
+    InvalidArgumentError,
+    InvalidRolloutError,
+    LayoutMismatchError,
+    MediaNotFoundError,
+    MmstoreError,
+)
 from ._invariants import truncation_point
 from ._models import ImageRef
 
@@ -47,7 +53,9 @@ class Sample:
 
 def check_missing_policy(missing: str) -> None:
     if missing not in get_args(MissingPolicy):
-        raise ValueError(f"missing must be one of {get_args(MissingPolicy)}, got {missing!r}")
+        raise InvalidArgumentError(
+            f"missing must be one of {get_args(MissingPolicy)}, got {missing!r}"
+        )
 
 
 def cast_floats(outputs: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:

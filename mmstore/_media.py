@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import os
+import re
 import warnings
+from typing import Any
 
+import numpy as np
 import xxhash
 from PIL import Image, UnidentifiedImageError
 
-from ._exceptions import DecompressionBombError, ImageDecodeError
+from ._exceptions import DecompressionBombError, ImageDecodeError, InvalidArgumentError
 
 HASH_ALGORITHM = "xxh3-128"
 # The decompression-bomb limit. 8K (7680x4320) is 33 MP, the largest screen or camera frame a
@@ -57,7 +61,7 @@ def encode_image(image: Image.Image, fmt: str = "png", quality: int = 95) -> tup
     if fmt == "webp":
         image.save(buf, format="WEBP", lossless=True)
         return buf.getvalue(), "webp"
-    raise ValueError(f"unsupported image format {fmt!r}; use png, jpeg or webp")
+    raise InvalidArgumentError(f"unsupported image format {fmt!r}; use png, jpeg or webp")
 
 
 def probe(
@@ -72,7 +76,11 @@ def probe(
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ImageDecodeError(f"not a decodable image: {exc}", uri=where) from None
+        raise ImageDecodeError(
+            f"not a decodable image ({len(data)} bytes starting {bytes(data[:8])!r}): "
+            f"{_pillow_reason(exc)}",
+            uri=where,
+        ) from None
     if width * height > max_pixels:
         raise DecompressionBombError(
             f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}",
@@ -94,5 +102,78 @@ def decode_rgb(
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ImageDecodeError(f"image bytes do not decode: {exc}", uri=where) from None
+        raise ImageDecodeError(
+            f"image bytes do not decode: {_pillow_reason(exc)}", uri=where
+        ) from None
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+# Pillow names the file object it was handed (`<_io.BytesIO object at 0x7f...>`): noise to
+# a reader, and different on every run.
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-f]+>")
+
+
+def _pillow_reason(exc: BaseException) -> str:
+    if isinstance(exc, UnidentifiedImageError):
+        return "no image format recognizes these bytes"
+    return _OBJECT_REPR.sub("", str(exc)) or type(exc).__name__
+
+
+IMAGE_INPUTS = (
+    "a file path, a PIL image, a uint8 numpy array (HxW, HxWx3 or HxWx4) or a uint8 torch "
+    "tensor (CHW or HWC); encoded bytes go to put_media(data, ext=...)"
+)
+# Channels a uint8 array may carry, last axis, and the PIL mode each becomes.
+_ARRAY_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+def as_pil(image: Any) -> Image.Image:
+    """A PIL image from the in-memory kinds ``put_image`` takes (a path is read elsewhere).
+
+    Only what is unambiguous: uint8 arrays, whose layout the shape decides. Floats (0-1 or
+    0-255?) and tensors whose first and last axes both look like channels are refused.
+    """
+    if isinstance(image, Image.Image):
+        return image
+    array = _as_array(image)
+    if array is None:
+        raise InvalidArgumentError(
+            f"put_image cannot store a {type(image).__name__}; pass {IMAGE_INPUTS}"
+        )
+    if array.dtype != np.uint8:
+        raise InvalidArgumentError(
+            f"put_image takes uint8 pixels, got dtype {array.dtype} (scale floats to 0-255 and "
+            "cast to uint8 first)"
+        )
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or array.shape[2] not in _ARRAY_MODES:
+        raise InvalidArgumentError(
+            f"put_image cannot read an array of shape {tuple(array.shape)}; pass {IMAGE_INPUTS}"
+        )
+    channels = array.shape[2]
+    pixels = array[:, :, 0] if channels == 1 else array
+    return Image.fromarray(np.ascontiguousarray(pixels), mode=_ARRAY_MODES[channels])
+
+
+def _as_array(image: Any) -> np.ndarray | None:
+    """An HWC (or HW) array from a numpy array or a torch tensor; None for anything else."""
+    if isinstance(image, np.ndarray):
+        return image
+    if type(image).__module__.split(".")[0] != "torch" or not hasattr(image, "detach"):
+        return None
+    array = image.detach().cpu().numpy()
+    if array.ndim != 3:
+        return array
+    first, last = array.shape[0] in _ARRAY_MODES, array.shape[2] in _ARRAY_MODES
+    if first and last:
+        raise InvalidArgumentError(
+            f"a tensor of shape {tuple(array.shape)} could be CHW or HWC; pass a PIL image or "
+            "a numpy array in HWC order"
+        )
+    # torchvision's convention is CHW; a tensor whose last axis holds the channels is HWC.
+    return array.transpose(1, 2, 0) if first else array
+
+
+def is_path(image: Any) -> bool:
+    return isinstance(image, str | os.PathLike)

@@ -5,49 +5,57 @@ The root is a local directory or an ``s3://bucket/prefix``; see :mod:`._backends
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse, urlsplit
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 from PIL import Image
 
-from ._backends import STAGING, Backend, FileStat, LocalBackend, S3Backend
+from ._backends import STAGING, Backend, FileStat, LocalBackend, NotAFileError, S3Backend
 from ._exceptions import (
     HashMismatchError,
     ImageDecodeError,
+    InvalidArgumentError,
     MediaNotFoundError,
     MmstoreError,
     NotAStoreError,
-    SchemaVersionError,
     UntrustedURIError,
+)
+from ._manifest import (
+    MANIFEST,
+    check_manifest,
+    create_manifest,
+    read_manifest,
 )
 from ._media import (
     DEFAULT_MAX_PIXELS,
     EXTENSIONS,
     FORMAT_EXTENSIONS,
-    HASH_ALGORITHM,
+    as_pil,
     content_hash,
     decode_rgb,
     encode_image,
+    is_path,
     media_path,
     probe,
 )
-from ._models import ImageRef, MediaRef
+from ._models import ImageRef, MediaRef, Rollout
 
 if TYPE_CHECKING:
     from ._families import Family
     from ._writer import RolloutWriter
 
-FORMAT_VERSION = 1
-MANIFEST = "mmstore.json"
 ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
+# Linux's limits (limits.h): longer names fail every file call with ENAMETOOLONG.
+NAME_MAX = 255
+PATH_MAX = 4096
 # An RFC 3986 scheme prefix; a URI without one is store-relative.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -106,16 +114,13 @@ class Store:
         elif "://" in root and not root.startswith("file://"):
             raise NotAStoreError(f"unsupported store location scheme in {root!r}", root=root)
         else:
-            backend = LocalBackend(unquote(urlparse(root).path) if "://" in root else root)
-        raw = _read_manifest(backend, root)
+            backend = LocalBackend(_local_path(root))
+        raw = read_manifest(backend, root)
         if raw is None:
             if not create:
-                raise NotAStoreError(
-                    f"no mmstore store at {root!r} (no {MANIFEST}); pass create=True to make one",
-                    root=root,
-                )
-            raw = _create_manifest(backend, root)
-        _check_manifest(raw, root)
+                raise NotAStoreError(missing_store_message(root, CREATE_REMEDY), root=root)
+            raw = create_manifest(backend, root)
+        check_manifest(raw, root)
         return cls(
             root,
             backend,
@@ -134,8 +139,15 @@ class Store:
         the pixel limit; puts read headers only (a corrupt body fails when it is decoded,
         with :class:`ImageDecodeError`). A put of bytes already present writes nothing new
         and renews the file's timestamp, so gc's grace period protects rows about to
-        reference it.
+        reference it; a damaged file at that path (other bytes) is replaced with the good
+        ones, locally after a byte comparison, on S3 by the PUT every put sends.
         """
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidArgumentError(
+                f"put_media takes encoded image bytes, got {type(data).__name__}; for a path, "
+                "a PIL image or an array use put_image"
+            )
+        data = bytes(data)
         ext = ext.lower().lstrip(".")
         if ext not in EXTENSIONS:
             raise ImageDecodeError(
@@ -150,16 +162,46 @@ class Store:
         self.backend.put_content(rel, data)
         return MediaRef(hash=digest, uri=rel, width=width, height=height, nbytes=len(data))
 
-    def put_image(self, image: Image.Image, format: str = "png", quality: int = 95) -> MediaRef:
-        """Encode (PNG: lossless, deterministic) and store a PIL image."""
-        data, ext = encode_image(image, format, quality)
+    def put_image(self, image: Any, format: str | None = None, quality: int = 95) -> MediaRef:
+        """Store an image once, by content; return its ref.
+
+        ``image`` is a file path (its bytes are stored as they are, unless ``format`` asks
+        for a re-encode), a PIL image, a uint8 numpy array (HxW, HxWx3 or HxWx4) or a uint8
+        torch tensor (CHW or HWC). In-memory images are encoded as ``format``: PNG by
+        default (lossless, deterministic), ``jpeg`` (at ``quality``) or ``webp``. Anything
+        else raises :class:`InvalidArgumentError` saying what to pass.
+        """
+        if is_path(image):
+            data = self._read_image_file(os.fspath(image))
+            if format is None:
+                fmt, _, _ = probe(data, max_pixels=self.max_image_pixels, where=os.fspath(image))
+                if fmt not in FORMAT_EXTENSIONS:
+                    raise ImageDecodeError(
+                        f"{fmt} files are not stored as they are; pass format='png' to re-encode",
+                        uri=os.fspath(image),
+                    )
+                return self.put_media(data, ext=FORMAT_EXTENSIONS[fmt][0])
+            image = decode_rgb(data, max_pixels=self.max_image_pixels, where=os.fspath(image))
+        data, ext = encode_image(as_pil(image), format or "png", quality)
         return self.put_media(data, ext=ext)
+
+    @staticmethod
+    def _read_image_file(path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"no image file at {path!r}") from None
+        except IsADirectoryError:
+            raise InvalidArgumentError(f"{path!r} is a directory, not an image file") from None
 
     def read_media(self, uri: str, expected_hash: str) -> bytes:
         """The bytes at ``uri``, verified against ``expected_hash``."""
         backend, rel = self.resolve(uri)
         try:
             data = backend.read(rel)
+        except NotAFileError:  # a FIFO, device or directory: refused without blocking
+            raise MediaNotFoundError("media path is not a regular file", uri=uri) from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MediaNotFoundError("media file not found", uri=uri) from None
         actual = content_hash(data)
@@ -241,6 +283,7 @@ class Store:
             raise UntrustedURIError(
                 f"store-relative media URIs are normalized paths under {MEDIA}/", uri=uri
             )
+        _check_name_lengths(uri, uri)
         if isinstance(self.backend, LocalBackend) and not self.backend.inside(
             self.backend.abspath(uri)
         ):
@@ -295,6 +338,20 @@ class Store:
             row_group_size=DEFAULT_ROW_GROUP_SIZE if row_group_size is None else row_group_size,
         )
 
+    def rollouts(
+        self,
+        run_id: str | Iterable[str] | None = None,
+        step: int | range | Iterable[int] | None = None,
+        sample_ids: str | Iterable[str] | None = None,
+    ) -> list[Rollout]:
+        """Committed rows as :class:`Rollout` objects: those of ``run_id`` (one or several),
+        at ``step`` (an int, a range or several), with these ``sample_ids``; every filter
+        left out matches all. Nothing matching raises :class:`NoMatchError` naming what the
+        store holds. For replay and inference: ``integrations.vllm`` takes a ``Rollout``."""
+        from ._read import read_rollouts
+
+        return read_rollouts(self, run_id, step, sample_ids)
+
     def rollout_files(self) -> list[FileStat]:
         """Committed rollout Parquet files, sorted by path (staging is never listed)."""
         files = [
@@ -307,6 +364,35 @@ class Store:
 
     def staging_files(self) -> list[FileStat]:
         return self.backend.list(STAGING)
+
+
+# What to do where there is no store; the command line, which has no create=, says its own.
+CREATE_REMEDY = "pass create=True to make one"
+
+
+def missing_store_message(root: str, remedy: str) -> str:
+    """No store at ``root``: point at the store's root if ``root`` lies inside one."""
+    inside = enclosing_root(root)
+    if inside is not None:
+        return (
+            f"no mmstore store at {root!r}: it looks like a folder inside the store at {inside!r}; "
+            "open the store's root"
+        )
+    return f"no mmstore store at {root!r} (no {MANIFEST}); {remedy}"
+
+
+def enclosing_root(root: str) -> str | None:
+    """``ROOT`` for a path like ``ROOT/rollouts/run_id=r1`` (no I/O beyond a local check)."""
+    parts = root.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if i and (part in (ROLLOUTS, MEDIA, PINS, STAGING) or part.startswith("run_id=")):
+            candidate = "/".join(parts[:i])
+            local = not candidate.startswith("s3://")
+            path = unquote(urlparse(candidate).path) if "://" in candidate else candidate
+            if not local or os.path.isfile(os.path.join(path, MANIFEST)):
+                return candidate
+            return None
+    return None
 
 
 def _normalize_root(root: str) -> str:
@@ -340,53 +426,34 @@ def _file_target(uri: str) -> str:
     path = unquote(parsed.path)
     if not path.startswith("/") or "\\" in path or ".." in path.split("/"):
         raise UntrustedURIError("file URI must name a normalized absolute path", uri=uri)
+    if any(ord(c) < 32 for c in path):  # %00 and friends: no OS takes them in a file name
+        raise UntrustedURIError("file URI encodes control characters", uri=uri)
+    _check_name_lengths(path, uri)
     return "file://" + os.path.normpath(path)
 
 
-def _create_manifest(backend: Backend, root: str) -> dict[str, Any]:
-    if not backend.is_empty():
-        raise NotAStoreError(
-            f"{root!r} is not an empty directory and holds no {MANIFEST}; refusing to create "
-            "a store over other files",
-            root=root,
-        )
-    manifest = {
-        "format": "mmstore",
-        "format_version": FORMAT_VERSION,
-        "hash_algorithm": HASH_ALGORITHM,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if backend.write_atomic(MANIFEST, json.dumps(manifest, indent=2).encode(), replace=False):
-        return manifest
-    # Another process created the store at the same moment: open theirs.
-    return _read_manifest(backend, root) or manifest
+def _local_path(root: str) -> str:
+    """The directory a plain path or a ``file://`` URI names.
 
-
-def _read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:
+    ``file://`` goes through pyarrow's own URI parser (percent-decoding; a URI naming
+    another host is refused rather than silently read from this one).
+    """
+    if not root.startswith("file://"):
+        return root
     try:
-        raw = backend.read(MANIFEST)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        manifest = json.loads(raw)
-    except ValueError:
-        raise NotAStoreError(f"{MANIFEST} at {root!r} is not JSON", root=root) from None
-    if not isinstance(manifest, dict):
-        raise NotAStoreError(f"{MANIFEST} at {root!r} is not a JSON object", root=root)
-    return manifest
+        _, path = pafs.FileSystem.from_uri(root)
+    except (pa.ArrowInvalid, ValueError) as exc:
+        raise NotAStoreError(f"unusable store location {root!r}: {exc}", root=root) from None
+    return str(path)
 
 
-def _check_manifest(manifest: dict[str, Any], root: str) -> None:
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise SchemaVersionError(
-            f"store format version {version!r} is not supported (this mmstore reads "
-            f"{FORMAT_VERSION})",
-            root=root,
-        )
-    if manifest.get("hash_algorithm") != HASH_ALGORITHM:
-        raise SchemaVersionError(
-            f"store hashes with {manifest.get('hash_algorithm')!r}, this mmstore with "
-            f"{HASH_ALGORITHM!r}",
-            root=root,
+def _check_name_lengths(path: str, uri: str) -> None:
+    """Refuse a path no file system can hold (a name over NAME_MAX, the whole over PATH_MAX)
+    up front, with the URI named, instead of an OSError from the first stat."""
+    encoded = path.encode("utf-8", "surrogateescape")
+    if len(encoded) >= PATH_MAX or any(len(p) > NAME_MAX for p in encoded.split(b"/")):
+        raise UntrustedURIError(
+            f"media path is longer than a file system allows ({NAME_MAX} bytes a name, "
+            f"{PATH_MAX} in all)",
+            uri=uri[:300],
         )

@@ -16,10 +16,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import InvalidRolloutError
-from ._families import Layout, layout_for_fingerprint
+from ._exceptions import InvalidArgumentError, InvalidRolloutError
+from ._families import (
+    Layout,
+    family_for_layout,
+    known_layouts,
+    layout_for_fingerprint,
+    layout_from_record,
+)
 from ._invariants import check_rollout
 from ._models import Rollout
+from ._scan import run_layouts
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
 if TYPE_CHECKING:
@@ -53,6 +60,10 @@ COLUMN_ENCODING = {"logprobs.list.element": "BYTE_STREAM_SPLIT"}
 ZSTD_LEVEL = 1
 # Min/max statistics only where a predicate can use them; list columns get none.
 STATISTICS_COLUMNS = ["sample_id", "group_id", "prompt_len", "reward", "advantage"]
+# A CRC-32 of every page, checked on every read (open_rollout_file): a flipped bit in a page
+# becomes a CorruptFileError instead of different tokens. Readers that ignore checksums
+# (older pyarrow, other engines) read the files as before.
+PAGE_CHECKSUMS = True
 
 
 def parquet_options() -> dict[str, Any]:
@@ -63,6 +74,7 @@ def parquet_options() -> dict[str, Any]:
         "use_dictionary": DICTIONARY_COLUMNS or False,
         "column_encoding": COLUMN_ENCODING,
         "write_statistics": STATISTICS_COLUMNS,
+        "write_page_checksum": PAGE_CHECKSUMS,
     }
 
 
@@ -122,6 +134,15 @@ class RolloutWriter:
     Nothing is visible until the block exits without an exception (or :meth:`commit` is
     called); then every row written becomes visible at once, as one Parquet file named
     ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
+
+    An image-only token (a family's placeholder, break or end token) outside every image
+    span is refused, in rows with images and in text-only rows alike, whenever the writer
+    knows the family: the families of the row's own images always count; beyond them, the
+    family of ``adapter=`` if given (only its ids: a custom tokenizer's), else the families
+    this writer's rows used, else those recorded in the newest committed files of the same
+    run, else the adapters built in this process (``mmstore.adapter_for``) when they are all
+    of one family. A writer that knows none of these (a fresh process writing text-only rows
+    into a new run) cannot tell a placeholder from text.
     """
 
     def __init__(
@@ -135,9 +156,9 @@ class RolloutWriter:
     ) -> None:
         check_partition(run_id, step)
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
-            raise TypeError(f"row_group_size must be an int, got {row_group_size!r}")
+            raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
         if row_group_size <= 0:
-            raise ValueError(f"row_group_size must be positive, got {row_group_size}")
+            raise InvalidArgumentError(f"row_group_size must be positive, got {row_group_size}")
         self.store = store
         self.run_id = run_id
         self.step = step
@@ -146,11 +167,14 @@ class RolloutWriter:
         self.committed: list[str] = []
         self._adapter = adapter
         self._layouts: dict[str, Layout] = {}
+        self._run_layouts: list[Layout] | None = None
         self._sample_ids: set[str] = set()
         self._known_media: set[tuple[str, str]] = set()
         self._pending: list[dict[str, Any]] = []
+        self._num_tokens: list[int] = []  # of every row in the open file, for its footer
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
+        self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
         self._closed = False
 
     # -- writing -------------------------------------------------------------------------
@@ -166,6 +190,12 @@ class RolloutWriter:
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        if self._encoded is not None:
+            raise InvalidRolloutError(
+                "a failed commit is pending: call commit() again (or abort()) first",
+                run_id=self.run_id,
+                step=self.step,
+            )
         if not isinstance(rollout, Rollout):
             raise InvalidRolloutError(
                 f"expected an mmstore.Rollout, got {type(rollout).__name__}", run_id=self.run_id
@@ -181,7 +211,7 @@ class RolloutWriter:
                 used[fingerprint] = layout
             return layout
 
-        token_ids = self._adapter.special_token_ids if self._adapter is not None else ()
+        token_ids = self._placeholder_ids()
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids)
         except InvalidRolloutError as exc:
@@ -194,12 +224,36 @@ class RolloutWriter:
         self._layouts.update(used)
         self._sample_ids.add(rollout.sample_id)
         self._pending.append(_buffered(rollout))
+        self._num_tokens.append(len(rollout.tokens))
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
 
     def write_many(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
             self.write(rollout)
+
+    def _placeholder_ids(self) -> frozenset[int]:
+        """Image-only token ids no text may hold (the rule in the class docstring).
+
+        One family's image-only token is ordinary text to another (Pixtral's ``[IMG_END]``
+        is id 13), so the ids come from the most specific family known: the adapter, then
+        the families this writer's rows used, then the run's recorded layouts, then the
+        adapters of this process if they are all of one family.
+        """
+        if self._adapter is not None:
+            return self._adapter.special_token_ids
+        layouts = list(self._layouts.values())
+        if not layouts:
+            if self._run_layouts is None:  # read once per writer
+                self._run_layouts = [
+                    layout_from_record(record)
+                    for record in run_layouts(self.store, self.run_id).values()
+                ]
+            layouts = self._run_layouts
+        if not layouts:
+            built = known_layouts()
+            layouts = built if len({x.family for x in built}) == 1 else []
+        return frozenset().union(*(family_for_layout(x).special_token_ids for x in layouts))
 
     def _layout(self, fingerprint: str) -> Layout | None:
         if self._adapter is not None and self._adapter.fingerprint == fingerprint:
@@ -222,31 +276,47 @@ class RolloutWriter:
         """Make every row written so far visible as one Parquet file; return its path.
 
         All media the rows reference was made durable by ``put_media`` before ``write``
-        accepted them, so a committed file never points at missing bytes.
+        accepted them, so a committed file never points at missing bytes. If the commit fails
+        (disk full, an unusable ``_staging``), the encoded file is kept and nothing torn is
+        left behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
-        self._flush_row_group()
-        if self._parquet is None or self._sink is None:
-            return None
-        layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
-        metadata = file_metadata(self.run_id, self.step, layouts)
-        self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
-        self._parquet.close()
-        data = self._sink.getvalue().to_pybytes()
-        self._parquet = self._sink = None
+        if self._encoded is None:
+            self._flush_row_group()
+            if self._parquet is None or self._sink is None:
+                return None
+            self._encoded = self._encode()
         rel = (
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
-        if not self.store.backend.write_atomic(rel, data, replace=False):
+        written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
+        # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
+        # file in place; any other file under this writer's unique name is not ours.
+        if not written and self.store.backend.read(rel) != self._encoded:
             raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
+        self._encoded = None
         self.committed.append(rel)
         return rel
+
+    def _encode(self) -> bytes:
+        """Close the Parquet writer and return the whole file."""
+        assert self._parquet is not None and self._sink is not None
+        layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
+        metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
+        self._num_tokens = []
+        self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
+        self._parquet.close()
+        data: bytes = self._sink.getvalue().to_pybytes()
+        self._parquet = self._sink = None
+        return data
 
     def abort(self) -> None:
         """Drop everything not yet committed and close the writer."""
         self._pending = []
+        self._encoded = None
+        self._num_tokens = []
         if self._parquet is not None:
             self._parquet.close()
         self._parquet = self._sink = None

@@ -19,15 +19,34 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from . import debug
-from ._exceptions import MmstoreError, NoMatchError
+from . import __version__, debug
+from ._exceptions import MmstoreError, NoMatchError, NotAStoreError
 from ._export import export
 from ._lifecycle import gc, release_run
 from ._pins import list_pins, pin_rows, unpin
-from ._store import Store
+from ._store import CREATE_REMEDY, Store
 from ._verify import verify
 
 PROG = "mmstore"
+TEXT_WIDTH = 96  # lines of prose; tables fit 100 columns for the usual run and sample ids
+GRACE_HELP = (
+    "keep unreferenced media younger than this many seconds (default 3600, one hour): "
+    "rows still being written may be about to reference it"
+)
+# Columns of `stats`, renamed so a row fits a 100-column terminal.
+STATS_COLUMNS = {
+    "run_id": "run",
+    "step": "step",
+    "samples": "rows",
+    "images": "images",
+    "unique_images": "unique",
+    "dedup_ratio": "dedup",
+    "parquet_bytes": "parquet",
+    "media_bytes": "media",
+    "dense_fp32_bytes": "dense fp32",
+    "reward": "reward ± std",
+    "missing_media": "missing",
+}
 BYTE_COLUMNS = ("parquet_bytes", "media_bytes", "disk_bytes", "dense_fp32_bytes")
 # Integer options of the demo, handed to mmstore._demo.main only when given.
 DEMO_OPTIONS = {
@@ -87,15 +106,25 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         # The demo prints its own report; with --json stdout carries only the JSON document.
         with contextlib.redirect_stdout(sys.stderr):
-            summary = _demo.main(args.root, keep=args.keep, **options)
+            summary = _demo.main(args.root, tmp=args.tmp, **options)
         _print_json(summary)
     else:
-        _demo.main(args.root, keep=args.keep, **options)
+        _demo.main(args.root, tmp=args.tmp, **options)
     return 0
 
 
+def _open(root: str) -> Store:
+    try:
+        return Store.open(root)
+    except NotAStoreError as exc:
+        if not exc.message.endswith(CREATE_REMEDY):
+            raise
+        remedy = "check the path (a store's root holds mmstore.json)"
+        raise NotAStoreError(exc.message.removesuffix(CREATE_REMEDY) + remedy) from None
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     if args.sample is not None:
         row = debug.sample(store, args.sample, run_id=args.run, step=args.step)
         if args.view:
@@ -143,7 +172,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     by = {"step": ("run_id", "step"), "run": ("run_id",), "store": ()}[args.by]
     table = debug.summary(store, by=by)
     total = debug.summary(store, by=()) if by else table
@@ -153,16 +182,38 @@ def _stats(args: argparse.Namespace) -> int:
     if table.height == 0 or total["samples"].item() == 0:
         print("the store holds no rollouts")
         return 0
-    _print_table(_human_bytes_columns(table))
+    _print_table(_stats_view(table))
     if by:
         print()
         print("whole store (media shared between steps counted once):")
-        _print_table(_human_bytes_columns(total))
+        _print_table(_stats_view(total))
     return 0
 
 
+def _stats_view(frame: pl.DataFrame) -> pl.DataFrame:
+    """Human units and short headers; ``disk_bytes`` is parquet + media, so it is left out."""
+    frame = _human_bytes_columns(frame).with_columns(
+        pl.Series(
+            "reward",
+            [
+                _mean_std(m, s)
+                for m, s in zip(frame["reward_mean"], frame["reward_std"], strict=True)
+            ],
+            dtype=pl.String,
+        )
+    )
+    shown = [c for c in STATS_COLUMNS if c in frame.columns]
+    return frame.select(shown).rename({c: STATS_COLUMNS[c] for c in shown})
+
+
+def _mean_std(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" + ("" if std is None else f" ± {std:.3f}")
+
+
 def _verify(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = verify(store, check_hashes=not args.no_hash)
     if args.json:
         _print_json(report.to_dict())
@@ -180,7 +231,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = gc(store, grace_seconds=args.grace, dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
@@ -199,7 +250,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     dest = export(store, args.dest, runs=args.run, steps=args.steps)
     rows = debug.scan(dest).select(pl.len()).collect().item()
     result = {
@@ -219,7 +270,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     report = release_run(store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
@@ -239,7 +290,7 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace) -> int:
-    store = Store.open(args.root)
+    store = _open(args.root)
     if args.name is None:
         pins = list_pins(store)
         if args.json:
@@ -274,6 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Inspect and maintain an mmstore rollout store."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
@@ -284,8 +336,10 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     p = command("demo", _demo, "write synthetic screenshot rollouts, then train-read them")
-    p.add_argument("--root", help="keep the store here (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true", help="keep the temporary store")
+    p.add_argument(
+        "--root", help="where to write the store, which is kept (default ./mmstore-demo)"
+    )
+    p.add_argument("--tmp", action="store_true", help="use a temporary store, deleted at the end")
     for name, help in DEMO_OPTIONS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", help=help)
 
@@ -307,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("gc", _gc, "delete media no rollout or pin references")
     p.add_argument("root", help="store path or s3://bucket/prefix")
-    p.add_argument("--grace", type=_seconds, default=3600, metavar="S", help="default 3600")
+    p.add_argument("--grace", type=_seconds, default=3600, metavar="SECONDS", help=GRACE_HELP)
     p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
 
     p = command("export", _export, "copy rows and exactly their media to a new store")
@@ -326,7 +380,7 @@ def _parser() -> argparse.ArgumentParser:
     p = command("release", _release, "drop a run's rollouts, then gc")
     p.add_argument("root", help="store path or s3://bucket/prefix")
     p.add_argument("run_id")
-    p.add_argument("--grace", type=_seconds, default=3600, metavar="S", help="default 3600")
+    p.add_argument("--grace", type=_seconds, default=3600, metavar="SECONDS", help=GRACE_HELP)
     p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
 
     return parser
@@ -360,7 +414,20 @@ def _seconds(text: str) -> float:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, default=str))
+    print(_json_text(value))
+
+
+def _json_text(value: Any, indent: str = "") -> str:
+    """Indented JSON whose lists of plain values stay on one line: a sample's thousands of
+    tokens make one line, not thousands."""
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_json_text(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    if isinstance(value, list | tuple) and any(isinstance(v, dict | list | tuple) for v in value):
+        items = [f"{inner}{_json_text(v, inner)}" for v in value]
+        return "[\n" + ",\n".join(items) + f"\n{indent}]"
+    return json.dumps(value, default=str)
 
 
 def _print_table(frame: pl.DataFrame) -> None:
@@ -391,7 +458,7 @@ def _describe_sample(row: dict[str, Any]) -> str:
         f"tokens {len(tokens)}: prompt {prompt}, completion {len(tokens) - prompt}, "
         f"in loss {sum(row['loss_mask'])}",
         f"reward {row['reward']}  advantage {row['advantage']}",
-        f"spans  {_spans(row)}",
+        *_wrap_parts(_spans(row), prefix="spans  "),
     ]
     if row["metadata"]:
         lines.append(f"metadata {row['metadata']}")
@@ -404,8 +471,9 @@ def _describe_sample(row: dict[str, Any]) -> str:
                     "tokens": f"[{ref['offset']}, {ref['offset'] + ref['length']})",
                     "length": ref["length"],
                     "size": f"{ref['width']}x{ref['height']}",
-                    "nbytes": ref["nbytes"],
-                    "hash": ref["hash"],
+                    "bytes": _human_bytes(ref["nbytes"]),
+                    # A store URI names the hash; the hash column is only for other URIs.
+                    **({} if ref["hash"] in ref["uri"] else {"hash": ref["hash"]}),
                     "uri": ref["uri"],
                 }
                 for i, ref in enumerate(row["images"])
@@ -416,23 +484,46 @@ def _describe_sample(row: dict[str, Any]) -> str:
 
 
 def _table_text(frame: pl.DataFrame) -> str:
-    """A plain, aligned table: every row and column, no shape or dtype lines."""
-    with pl.Config(
-        tbl_rows=-1,
-        tbl_cols=-1,
-        tbl_formatting="NOTHING",
-        tbl_hide_dataframe_shape=True,
-        tbl_hide_column_data_types=True,
-        tbl_cell_numeric_alignment="RIGHT",
-        tbl_width_chars=1000,
-        fmt_str_lengths=200,
-        float_precision=3,
-    ):
-        return str(frame)
+    """A plain, aligned table of every row and column: numbers right, text left, two spaces
+    between columns, no trailing blanks, floats to 3 decimals, nulls as ``-``."""
+    header = list(frame.columns)
+    numeric = [frame.schema[c].is_numeric() for c in header]
+    cells = [[_cell(v) for v in row] for row in frame.iter_rows()]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+
+    def line(values: list[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in cells)])
 
 
-def _spans(row: dict[str, Any]) -> str:
-    """``text [0,14) | image#0 [14,91) | ... | completion [200,344)`` for the token layout."""
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _wrap_parts(parts: list[str], *, prefix: str) -> list[str]:
+    """``parts`` joined by `` | ``, wrapped at TEXT_WIDTH between parts, never inside one."""
+    lines: list[str] = []
+    current: list[str] = []
+    for part in parts:
+        if current and len(prefix) + len(" | ".join([*current, part])) > TEXT_WIDTH:
+            lines.append(" | ".join(current) + " |")
+            current = []
+        current.append(part)
+    lines.append(" | ".join(current))
+    return [(prefix if i == 0 else " " * len(prefix)) + line for i, line in enumerate(lines)]
+
+
+def _spans(row: dict[str, Any]) -> list[str]:
+    """``text [0,14)``, ``image#0 [14,91)``, ..., ``completion [200,344)``: the token layout."""
     parts, cursor, prompt = [], 0, row["prompt_len"]
     for index, ref in enumerate(row["images"]):
         if ref["offset"] > cursor:
@@ -442,7 +533,7 @@ def _spans(row: dict[str, Any]) -> str:
     if prompt > cursor:
         parts.append(f"text [{cursor},{prompt})")
     parts.append(f"completion [{prompt},{len(row['tokens'])})")
-    return " | ".join(parts)
+    return parts
 
 
 def _describe_problem(problem: Any) -> str:

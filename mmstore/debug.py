@@ -13,7 +13,6 @@ images display inline in notebooks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -25,10 +24,17 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from ._backends import S3Backend
-from ._exceptions import MediaNotFoundError, MmstoreError, NoMatchError
+from ._exceptions import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MediaNotFoundError,
+    MmstoreError,
+    NoMatchError,
+    UnsupportedProcessorError,
+)
 from ._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
 from ._progress import bar
-from ._refscan import partition_of
+from ._refscan import partition_of, reading
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:
@@ -101,7 +107,7 @@ def summary(
     keys = list(by)
     unknown = set(keys) - set(SUMMARY_KEYS)
     if unknown:
-        raise ValueError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
+        raise InvalidArgumentError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
     files = store.rollout_files()  # one listing: every figure below is of the same files
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
@@ -214,13 +220,17 @@ def sample(
     return found.row(0, named=True)
 
 
+# Thumbnails of 1080p screenshots need about a third of their width for UI text to stay legible.
+THUMB_SIZE = 640
+
+
 def sample_view(
     store: Store,
     sample_id: str,
     *,
     run_id: str | None = None,
     step: int | None = None,
-    thumb: int = 192,
+    thumb: int = THUMB_SIZE,
 ) -> Image.Image:
     """A header line, the thumbnails of the sample's images and its token strip, stacked."""
     row = sample(store, sample_id, run_id=run_id, step=step)
@@ -242,39 +252,51 @@ def sample_view(
     return out
 
 
-def thumbnails(store: Store, row: dict[str, Any], *, size: int = 192) -> Image.Image:
-    """The row's images side by side, each labelled with its index, size, hash and span.
+def thumbnails(store: Store, row: dict[str, Any], *, size: int = THUMB_SIZE) -> Image.Image:
+    """The row's images side by side, each scaled to fit ``size`` x ``size`` and labelled
+    with its index, size, hash and span; tiles are as tall as the tallest image needs.
 
-    Media that is missing or does not verify shows as a grey tile saying why.
+    Media that is missing or does not verify shows as a grey square tile saying why.
     """
     refs = row["images"]
     font = _font(12)
     label_h = 34
-    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), size + label_h), "white")
+    shown: list[Image.Image | str] = [_thumbnail(store, ref, size) for ref in refs]
+    height = max([s.height for s in shown if isinstance(s, Image.Image)] or [size])
+    if any(isinstance(s, str) for s in shown):
+        height = size
+    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), height + label_h), "white")
     draw = ImageDraw.Draw(tiles)
     if not refs:
         draw.text((4, 4), "(no images)", fill="gray", font=font)
-    for index, ref in enumerate(refs):
+    for index, (ref, image) in enumerate(zip(refs, shown, strict=True)):
         x = index * (size + 8)
-        try:
-            image = store.open_image(ref["uri"], ref["hash"])
-            image.thumbnail((size, size))
-            tiles.paste(image, (x + (size - image.width) // 2, (size - image.height) // 2))
-        except (MmstoreError, OSError) as exc:
-            reason = "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
-            draw.rectangle([x, 0, x + size - 1, size - 1], fill=(215, 215, 215))
-            left = x + (size - draw.textlength(reason, font=font)) // 2
-            draw.text((left, size // 2 - 8), reason, fill=(200, 0, 0), font=font)
-        draw.rectangle([x, 0, x + size - 1, size - 1], outline=(190, 190, 190))
+        if isinstance(image, Image.Image):
+            tiles.paste(image, (x + (size - image.width) // 2, (height - image.height) // 2))
+        else:
+            draw.rectangle([x, 0, x + size - 1, height - 1], fill=(215, 215, 215))
+            left = x + (size - draw.textlength(image, font=font)) // 2
+            draw.text((left, height // 2 - 8), image, fill=(200, 0, 0), font=font)
+        draw.rectangle([x, 0, x + size - 1, height - 1], outline=(190, 190, 190))
         end = ref["offset"] + ref["length"]
         draw.text(
-            (x, size + 2),
+            (x, height + 2),
             f"#{index}  {ref['width']}x{ref['height']}  {ref['hash'][:10]}\n"
             f"tokens [{ref['offset']}, {end})  len {ref['length']}",
             fill="black",
             font=font,
         )
     return tiles
+
+
+def _thumbnail(store: Store, ref: dict[str, Any], size: int) -> Image.Image | str:
+    """The image scaled to fit ``size``, or why it cannot be shown."""
+    try:
+        image = store.open_image(ref["uri"], ref["hash"])
+    except (MmstoreError, OSError) as exc:
+        return "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
+    image.thumbnail((size, size))
+    return image
 
 
 # Token strip colours: prompt text, completion text (in / out of the loss), image spans.
@@ -325,8 +347,11 @@ def token_strip(row: dict[str, Any], *, columns: int = 128, cell: int = 7) -> Im
         if mask[i]:
             draw.rectangle([x, y + cell_h + 1, x + cell - 1, y + cell_h + 3], fill=LOSS_MARK)
         if i == prompt_len:
-            # In the white gap before the token, clear of the cells and the loss bars.
+            # A line in the white gap before the token, clear of the cells and the loss bars,
+            # under a flag and a label in the label row, where a person sees it.
             draw.rectangle([x - 1, y - 3, x - 1, y + cell_h], fill=PROMPT_END)
+            draw.rectangle([x - 1, y - label_h + 1, x + 2, y - 2], fill=PROMPT_END)
+            draw.text((x + 5, y - label_h), "completion", fill=PROMPT_END, font=font)
         if image_of[i] >= 0 and (i == 0 or image_of[i - 1] != image_of[i]):
             draw.text((x, y - label_h), f"#{image_of[i]}", fill="black", font=font)
     return strip
@@ -421,12 +446,34 @@ def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> 
     """Layouts recorded in the rollout files' key-value metadata (footers only)."""
     layouts: dict[str, Layout] = {}
     for rel in bar(paths, desc="reading footers", unit="file", progress=progress):
-        meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs).metadata
-        raw = (meta or {}).get(META_LAYOUTS)
-        for fingerprint, record in json.loads(raw or b"{}").items():
-            if fingerprint not in layouts:
-                with contextlib.suppress(MmstoreError):  # unknown family: size unknown
-                    layouts[fingerprint] = layout_from_record(record)
+        with reading(rel):
+            meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs)
+        raw = (meta.metadata or {}).get(META_LAYOUTS)
+        for fingerprint, layout in _footer_layouts(raw, rel).items():
+            layouts.setdefault(fingerprint, layout)
+    return layouts
+
+
+def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
+    """The ``mmstore.layouts`` of one footer, each checked to lay out an image."""
+    try:
+        found = json.loads(raw or b"{}")
+        layouts = {}
+        for fp, record in found.items():
+            try:
+                layout = layout_from_record(record)
+            except UnsupportedProcessorError:  # a family this process does not know
+                continue
+            if any(isinstance(v, int) and v <= 0 for _, v in layout.parameters):
+                raise ValueError("non-positive layout parameter")
+            family_for_layout(layout).pixel_shape(224, 224)
+            layouts[str(fp)] = layout
+    # Forged metadata can fail in any way (bad JSON, wrong keys or types, zero sizes, deep
+    # nesting); whichever it is, the footer is what is wrong: say so, naming the file.
+    except Exception as exc:
+        raise CorruptFileError(
+            f"unreadable layouts in the footer ({type(exc).__name__}: {exc})", file=rel
+        ) from None
     return layouts
 
 

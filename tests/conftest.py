@@ -18,6 +18,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import mmstore
 
 os.environ.setdefault("MMSTORE_PROGRESS", "0")
+# Ray on loopback only: without this, Ray resolves 127.0.0.1 to the machine's network address
+# (services.resolve_ip_for_localhost) and its nodes talk over that interface. Read by Ray at
+# import, so it is set before any test imports ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # Small max_pixels keep tests fast while exercising the same code as the defaults.
 SMALL_MAX_PIXELS = 256 * 28 * 28

@@ -169,7 +169,8 @@ def test_stats_table_and_json(known, capsys):
     result = call_cli(capsys, "stats", known["root"])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:5] == ["run_id", "step", "samples", "images", "unique_images"]
+    assert lines[0].split()[:5] == ["run", "step", "rows", "images", "unique"]
+    assert max(map(len, lines)) <= 100  # fits a terminal
     assert [line.split()[:3] for line in lines[1:4]] == [
         ["r1", "0", "3"],
         ["r1", "1", "2"],
@@ -337,3 +338,62 @@ def test_demo_runs(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["rows"] == 2 and summary["samples_read"] == 2
     assert mmstore.debug.scan(mmstore.Store.open(root)).collect().height == 2
+
+
+TINY_DEMO = ["--groups", "1", "--group-size", "2", "--turns", "1", "--steps", "1"]
+TINY_DEMO += ["--batch-size", "2", "--num-workers", "0"]
+
+
+def test_demo_keeps_its_store_by_default_and_a_rerun_replaces_the_demo_run(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        result = call_cli(capsys, "demo", *TINY_DEMO)
+        assert result.returncode == 0, result.stderr
+    assert "store kept at mmstore-demo" in result.stdout
+    assert "replaced the earlier demo run" in result.stdout
+    store = mmstore.Store.open(tmp_path / "mmstore-demo")
+    assert mmstore.debug.scan(store).collect().height == 2  # not 4
+
+
+def test_demo_tmp_says_it_deletes_its_store(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = call_cli(capsys, "demo", "--tmp", *TINY_DEMO)
+    assert result.returncode == 0, result.stderr
+    assert "store deleted" in result.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_release_of_an_unknown_run_fails_naming_the_runs(copy, capsys):
+    result = call_cli(capsys, "release", copy, "nosuchrun", "--grace", "0")
+    assert_user_error(result, 1, "no run 'nosuchrun'", "r1", "r2")
+    assert result.stdout == ""
+
+
+def test_a_missing_store_error_speaks_to_a_shell_user(tmp_path, known, capsys):
+    result = call_cli(capsys, "stats", tmp_path / "nowhere")
+    assert_user_error(result, 1, "no mmstore store", "check the path")
+    assert "create=True" not in result.stderr
+    inner = Path(known["root"]) / "rollouts"
+    assert_user_error(call_cli(capsys, "inspect", inner), 1, f"store at '{known['root']}'")
+
+
+def test_output_fits_a_terminal_and_json_keeps_token_lists_on_one_line(known, capsys):
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1")
+    assert result.returncode == 0 and max(map(len, result.stdout.splitlines())) <= 100
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1", "--json")
+    row = json.loads(result.stdout)
+    assert len(result.stdout.splitlines()) < len(row["tokens"])
+    assert any(line.startswith('  "tokens": [') for line in result.stdout.splitlines())
+
+
+def test_version_and_the_grace_unit(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert (
+        exit_.value.code == 0
+        and capsys.readouterr().out.strip() == f"mmstore {mmstore.__version__}"
+    )
+    with pytest.raises(SystemExit):
+        main(["gc", "--help"])
+    assert "--grace SECONDS" in capsys.readouterr().out

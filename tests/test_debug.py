@@ -333,12 +333,16 @@ def test_thumbnails_show_images_and_missing_tiles(known):
     row = debug.sample(known.store, "s2")  # A and C, both present
     tiles = debug.thumbnails(known.store, row, size=64)
     assert tiles.width == 2 * (64 + 8)
-    thumb = known.pictures["C"].copy()
-    thumb.thumbnail((64, 64))
-    tile = np.asarray(tiles)[:64, 72 : 72 + 64]
+    thumbs = [known.pictures[k].copy() for k in ("A", "C")]
+    for thumb in thumbs:
+        thumb.thumbnail((64, 64))
+    height = max(t.height for t in thumbs)  # tiles are no taller than the images need
+    assert tiles.height == height + 34
+    thumb = thumbs[1]
+    tile = np.asarray(tiles)[:height, 72 : 72 + 64]
     # C's thumbnail is pasted whole, centred: find it exactly in the second tile (inside the
     # tile's 1-pixel frame).
-    top, left = (64 - thumb.height) // 2, (64 - thumb.width) // 2
+    top, left = (height - thumb.height) // 2, (64 - thumb.width) // 2
     pasted = tile[top : top + thumb.height, left : left + thumb.width]
     assert np.array_equal(pasted[1:-1, 1:-1], np.asarray(thumb)[1:-1, 1:-1])
 

@@ -15,6 +15,7 @@ from mmstore import _exceptions
 # (error, the built-in a caller would catch): DESIGN.md's names first, then the rest.
 TREE = [
     (mmstore.InvalidRolloutError, ValueError),
+    (mmstore.SampleTooLongError, ValueError),
     (mmstore.HashMismatchError, ValueError),
     (mmstore.MediaNotFoundError, FileNotFoundError),
     (mmstore.UntrustedURIError, PermissionError),
@@ -30,6 +31,7 @@ TREE = [
     (mmstore.CorruptFileError, ValueError),
     (mmstore.NoMatchError, LookupError),
     (mmstore.DestinationExistsError, FileExistsError),
+    (mmstore.DeleteFailedError, OSError),
 ]
 
 ALL_ERRORS = [

@@ -241,3 +241,12 @@ def test_gc_racing_writers_leaves_no_dangling_refs(store, adapter):
     assert report.refs_checked == 2 * len(committed_runs) > 0
     # The race was real: gc deleted images that writers then put again and committed.
     assert deleted and reused_after_delete
+
+
+def test_release_of_an_unknown_run_raises_and_removes_nothing(store, adapter):
+    commit(store, adapter, "a", 0, [put_photos(store, [1])])
+    with pytest.raises(mmstore.NoMatchError, match=r"no run 'typo'.*runs a \(step 0\)"):
+        mmstore.release_run(store, "typo", grace_seconds=0)
+    with pytest.raises(LookupError):
+        mmstore.release_run(store, "typo", dry_run=True)
+    assert len(store.rollout_files()) == 1

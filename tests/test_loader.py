@@ -164,6 +164,42 @@ def test_fingerprint_mismatch_fails_when_built(filled):
     assert "r1" in str(err.value)
 
 
+def test_layout_mismatch_names_the_parameters_that_differ(filled):
+    other = Qwen2VLImageProcessorPil(patch_size=16, max_pixels=SMALL)
+    with pytest.raises(mmstore.LayoutMismatchError) as err:
+        mmstore.RolloutDataset(filled, other)
+    message = str(err.value)
+    assert "patch_size 14 vs 16" in message and "stored vs processor" in message
+    assert "max_pixels" not in message  # equal on both sides
+    assert "runs=" in message  # what to do about it
+
+
+@pytest.mark.parametrize("name", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
+def test_dtype_by_name(filled, small_processor, name):
+    ds = mmstore.RolloutDataset(filled, small_processor, dtype=name, steps=[0])
+    assert ds.dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", ["bf17", "int64", torch.int64, 3])
+def test_a_dtype_that_is_no_floating_torch_dtype_is_refused(filled, small_processor, bad):
+    with pytest.raises(mmstore.InvalidArgumentError, match="dtype"):
+        mmstore.RolloutDataset(filled, small_processor, dtype=bad)
+
+
+def test_argument_errors_are_typed(filled, small_processor):
+    with pytest.raises(mmstore.InvalidArgumentError):
+        mmstore.RolloutDataset(filled, small_processor, missing="skip")
+    with pytest.raises(mmstore.InvalidArgumentError):
+        mmstore.RolloutDataset(filled, small_processor, rank=2, world_size=2)
+    ds = mmstore.RolloutDataset(filled, small_processor, steps=[0])
+    with pytest.raises(mmstore.InvalidArgumentError):
+        mmstore.RolloutLoader(ds, batch_size=0)
+    with pytest.raises(mmstore.InvalidArgumentError):
+        filled.writer(run_id="r", step=0, row_group_size="8")
+    with pytest.raises(mmstore.InvalidArgumentError):
+        mmstore.debug.summary(filled, by=("nope",))
+
+
 def test_missing_media_error_policy(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     write_steps(store, mmstore.adapter_for(small_processor), steps=1, groups=1, group_size=2)
@@ -260,10 +296,12 @@ def test_text_only_rows_and_dummy_image(tmp_path, small_processor):
         )
     ds = mmstore.RolloutDataset(store, small_processor, shuffle=False)
     plain = list(mmstore.RolloutLoader(ds, batch_size=2))
-    assert [b["pixel_values"].shape[0] for b in plain] == [
-        0,
-        adapter.grid(300, 200)[1] * adapter.grid(300, 200)[2],
-    ]
+    # A batch without images passes None, the model's own "no images" (Qwen2-VL cannot
+    # run its vision tower on zero patches).
+    assert plain[0]["pixel_values"] is None and plain[0]["image_grid_thw"] is None
+    assert plain[1]["pixel_values"].shape[0] == (
+        adapter.grid(300, 200)[1] * adapter.grid(300, 200)[2]
+    )
     padded = list(mmstore.RolloutLoader(ds, batch_size=2, dummy_image=True))
     first = padded[0]
     assert first["dummy_image"] and first["image_grid_thw"].shape == (1, 3)
@@ -284,7 +322,7 @@ def test_max_len_keeps_whole_images(filled, small_processor):
         assert image_tokens * 4 == int(batch["image_grid_thw"].prod(-1).sum())
     text_only = mmstore.RolloutDataset(filled, small_processor, max_len=refs[0]["offset"])
     for batch in mmstore.RolloutLoader(text_only, batch_size=8):
-        assert batch["pixel_values"].shape[0] == 0
+        assert batch["pixel_values"] is None
         assert not (batch["input_ids"] == adapter.image_token_id).any()
 
 
@@ -313,7 +351,8 @@ def test_runs_and_steps_select(filled, small_processor):
     ds = mmstore.RolloutDataset(filled, small_processor, steps=[1])
     ids = all_ids(mmstore.RolloutLoader(ds, batch_size=8))
     assert len(ids) == 16 and all(sid.startswith("g1-") for sid in ids)
-    assert len(mmstore.RolloutDataset(filled, small_processor, runs=["nope"])) == 0
+    with pytest.raises(mmstore.NoMatchError):  # never a silent epoch of nothing
+        mmstore.RolloutDataset(filled, small_processor, runs=["nope"])
     # One run id may be given as a plain string (the same selection gc and export use).
     assert len(mmstore.RolloutDataset(filled, small_processor, runs="r1")) == 32
 
@@ -434,3 +473,20 @@ def test_workers_never_receive_the_parents_cache(filled, small_processor):
     shipped = pickle.loads(pickle.dumps(ds))
     assert shipped._materializer is None
     assert len(pickle.dumps(ds)) < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("selection", "needle"),
+    [
+        ({"runs": ["typo"]}, "no run 'typo'"),
+        ({"runs": ["r1", "typo"]}, "no run 'typo'"),
+        ({"steps": [99]}, "step 99"),
+        ({"runs": "r1", "steps": range(5, 9)}, "steps 5-8"),
+    ],
+)
+def test_a_selection_matching_nothing_raises_naming_what_exists(
+    filled, small_processor, selection, needle
+):
+    with pytest.raises(mmstore.NoMatchError, match=needle) as err:
+        mmstore.RolloutDataset(filled, small_processor, **selection)
+    assert "runs r1 (steps 0-1)" in str(err.value)

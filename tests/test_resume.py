@@ -133,3 +133,41 @@ def test_state_from_other_settings_is_refused(filled, small_processor):
     other = mmstore.RolloutLoader(dataset(filled, small_processor, seed=12), batch_size=4)
     with pytest.raises(mmstore.InvalidArgumentError, match="seed"):
         other.load_state_dict(state)
+
+
+def epoch_loop(loader, epochs, *, start=0, stop_after=None):
+    """The customary training loop; ``stop_after`` batches simulates a crash."""
+    seen = []
+    for epoch in range(start, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            seen.append(batch_key(batch))
+            if len(seen) == stop_after:
+                return seen
+    return seen
+
+
+@pytest.mark.parametrize("cut", [3, 9, 12])
+def test_usual_epoch_loop_keeps_the_resume_point(filled, small_processor, cut):
+    """``set_epoch(e)`` at the top of the loop after ``load_state_dict`` must not rewind e
+    (cut 9 is epoch 0's last batch, 12 lies in epoch 1)."""
+    reference = epoch_loop(mmstore.RolloutLoader(dataset(filled, small_processor), 4), 2)
+    first = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
+    head = epoch_loop(first, 2, stop_after=cut)
+    state = first.state_dict()
+    resumed = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
+    resumed.load_state_dict(state)
+    tail = epoch_loop(resumed, 2, start=state["epoch"])
+    assert head + tail == reference
+
+
+def test_set_epoch_to_another_epoch_starts_it_over(filled, small_processor):
+    loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
+    whole = [batch_key(b) for b in loader]  # reads epoch 0, then stands at epoch 1
+    loader.set_epoch(0)
+    head = [batch_key(b) for _, b in zip(range(2), loader, strict=False)]
+    loader.set_epoch(0)  # the current epoch: keeps the position
+    rest = [batch_key(b) for b in loader]
+    assert head + rest == whole
+    with pytest.raises(mmstore.InvalidArgumentError):
+        loader.set_epoch(-1)

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
+from mmstore._manifest import FORMAT_VERSION
 from mmstore._models import rollouts_to_table
 from mmstore._schema import (
     META_SCHEMA_VERSION,
@@ -161,3 +162,16 @@ def test_file_without_mmstore_metadata_is_refused(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), path)
     with pytest.raises(mmstore.SchemaVersionError):
         check_schema_version(pq.read_metadata(path).metadata, where=str(path))
+
+
+def test_format_md_names_every_column_ref_field_and_footer_key():
+    """FORMAT.md documents what the schema holds: nothing added here goes undocumented."""
+    text = (Path(__file__).resolve().parents[1] / "FORMAT.md").read_text()
+    described = describe()
+    refs = next(f for f in described["fields"] if f["name"] == "images")["type"]["list"]
+    names = [f["name"] for f in described["fields"]] + [f["name"] for f in refs["struct"]]
+    names += [f["name"] for f in described["partitioning"]["fields"]]
+    missing = [n for n in [*names, *described["key_value_metadata"]] if f"`{n}`" not in text]
+    assert not missing, f"FORMAT.md does not mention {missing}"
+    assert f'`mmstore.schema_version` | `"{SCHEMA_VERSION}"`' in text
+    assert f"`format_version` | integer | `{FORMAT_VERSION}`" in text

@@ -159,6 +159,7 @@ def test_bad_media_is_refused_and_leaves_no_trace(any_store, data, ext, match):
     with pytest.raises(mmstore.ImageDecodeError, match=match) as err:
         any_store.put_media(data, ext=ext)
     assert type(err.value) is mmstore.ImageDecodeError
+    assert " object at 0x" not in str(err.value)
     assert [f.path for f in any_store.backend.list("")] == ["mmstore.json"]
 
 
@@ -206,3 +207,65 @@ def test_a_directory_is_not_media(store, adapter):
     fake = mmstore.MediaRef(hash=h, uri=uri, width=120, height=80)
     with pytest.raises(mmstore.MediaNotFoundError), store.writer(run_id="r", step=0) as w:
         w.write(make_row(adapter, [fake], "s0"))
+
+
+# -- put_image: what a caller plausibly has in hand ------------------------------------
+
+
+def test_put_image_takes_a_path_and_stores_its_bytes_as_they_are(store, tmp_path):
+    data = jpeg_bytes(3)  # effect_noise is random: write the bytes once
+    (tmp_path / "pic.jpg").write_bytes(data)
+    for path in (tmp_path / "pic.jpg", str(tmp_path / "pic.jpg")):
+        media = store.put_image(path)
+        assert media.uri.endswith(".jpg") and media.hash == content_hash(data)
+    assert store.put_image(tmp_path / "pic.jpg", format="png").uri.endswith(".png")
+    with pytest.raises(mmstore.InvalidArgumentError, match="no image file"):
+        store.put_image(tmp_path / "absent.png")
+
+
+@pytest.mark.parametrize(
+    ("shape", "mode"), [((30, 40), "L"), ((30, 40, 3), "RGB"), ((30, 40, 4), "RGBA")]
+)
+def test_put_image_takes_uint8_arrays(store, shape, mode):
+    import numpy as np
+
+    array = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    media = store.put_image(array)
+    assert (media.width, media.height) == (40, 30)
+    stored = Image.open(io.BytesIO(store.read_media(media.uri, media.hash)))
+    assert stored.mode == mode and np.array_equal(np.asarray(stored), array)
+
+
+def test_put_image_takes_chw_and_hwc_uint8_tensors(store):
+    import numpy as np
+    import torch
+
+    hwc = torch.randint(0, 256, (30, 40, 3), dtype=torch.uint8)
+    a = store.put_image(hwc)
+    b = store.put_image(hwc.permute(2, 0, 1))  # CHW, as torchvision holds images
+    assert a.hash == b.hash and (a.width, a.height) == (40, 30)
+    assert np.array_equal(np.asarray(store.open_image(a.uri, a.hash)), hwc.numpy())
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda np, torch: np.zeros((30, 40, 3), dtype=np.float32), "uint8"),
+        (lambda np, torch: np.zeros((30, 40, 2), dtype=np.uint8), "shape"),
+        (lambda np, torch: torch.zeros((3, 4, 3), dtype=torch.uint8), "CHW or HWC"),
+        (lambda np, torch: b"\x89PNG...", "put_media"),
+        (lambda np, torch: [[0, 1], [2, 3]], "a file path, a PIL image"),
+    ],
+)
+def test_put_image_refuses_what_it_cannot_read_saying_what_to_pass(store, make, match):
+    import numpy as np
+    import torch
+
+    with pytest.raises(mmstore.InvalidArgumentError, match=match):
+        store.put_image(make(np, torch))
+    assert [f.path for f in store.backend.list("")] == ["mmstore.json"]
+
+
+def test_put_media_refuses_what_is_not_bytes(store):
+    with pytest.raises(mmstore.InvalidArgumentError, match="put_image"):
+        store.put_media(Image.new("RGB", (4, 4)))

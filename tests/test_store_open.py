@@ -10,7 +10,7 @@ import pytest
 
 import mmstore
 from mmstore._backends import s3_filesystem
-from mmstore._store import FORMAT_VERSION, MANIFEST
+from mmstore._manifest import FORMAT_VERSION, MANIFEST
 
 
 def test_create_writes_a_manifest_and_reopens(tmp_path):
@@ -125,3 +125,39 @@ def _png() -> bytes:
     from tests.store_workers import image_bytes
 
     return image_bytes(3)
+
+
+def test_a_folder_inside_a_store_points_at_the_root(tmp_path):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    store.put_image(mmstore_image())
+    for inner in ("media", "media/ab", "rollouts/run_id=r1"):
+        with pytest.raises(mmstore.NotAStoreError, match="inside the store at") as err:
+            mmstore.Store.open(tmp_path / "s" / inner)
+        assert repr(str(tmp_path / "s")) in str(err.value)
+        assert "create=True" not in str(err.value)
+
+
+def mmstore_image():
+    from PIL import Image
+
+    return Image.new("RGB", (8, 8), "red")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("format_version", True), ("hash_algorithm", 128), ("format", "other")]
+)
+def test_malformed_manifest_fields_are_refused(tmp_path, key, value):
+    root = tmp_path / "store"
+    mmstore.Store.open(root, create=True)
+    manifest = json.loads((root / MANIFEST).read_text())
+    (root / MANIFEST).write_text(json.dumps({**manifest, key: value}))
+    with pytest.raises(mmstore.SchemaVersionError, match=key):
+        mmstore.Store.open(root)
+
+
+def test_file_uri_roots(tmp_path):
+    spaced = tmp_path / "a b"
+    mmstore.Store.open(spaced, create=True)
+    assert mmstore.Store.open(f"file://{tmp_path}/a%20b").backend.base == str(spaced)
+    with pytest.raises(mmstore.NotAStoreError):
+        mmstore.Store.open(f"file://otherhost{tmp_path}/a%20b")

@@ -300,3 +300,47 @@ def test_media_under_a_trusted_root_is_verified_at_write(tmp_path, adapter):
         with pytest.raises(mmstore.HashMismatchError):
             w.write(make_row(adapter, [liar], "liar"))
     assert [r.images[0].uri for r in read_rows(store)] == [media.uri]
+
+
+# -- stray placeholders in text-only rows -----------------------------------------------
+
+
+def stray_text_row(sample_id, token_id):
+    return mmstore.Rollout(
+        sample_id=sample_id, tokens=[1, token_id, 3], prompt_len=1, loss_mask=[0, 1, 1]
+    )
+
+
+def test_text_only_row_with_a_placeholder_is_refused_without_adapter_argument(store, adapter):
+    """An adapter built anywhere in this process tells the writer the family's placeholder."""
+    with store.writer(run_id="r", step=0) as w:  # no adapter=
+        with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span"):
+            w.write(stray_text_row("bad", adapter.image_token_id))
+        w.write(stray_text_row("fine", 5))
+    assert [r.sample_id for r in read_rows(store)] == ["fine"]
+
+
+def test_the_runs_recorded_layouts_tell_a_fresh_process(store, adapter, monkeypatch):
+    """No adapter in this process: the layouts in the run's committed footers decide."""
+    with store.writer(run_id="r", step=0) as w:
+        w.write(make_row(adapter, [store.put_media(image_bytes(1))], "with-image"))
+    monkeypatch.setattr(
+        mmstore._families._registry, "_LAYOUTS", {}
+    )  # as in a process that built none
+    with store.writer(run_id="r", step=1) as w:
+        with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span") as err:
+            w.write(stray_text_row("bad", adapter.image_token_id))
+        assert err.value.step == 1 and err.value.sample_id == "bad"
+    with store.writer(run_id="new-run", step=0) as w:  # knows nothing: accepted, as documented
+        w.write(stray_text_row("unknowable", adapter.image_token_id))
+
+
+def test_a_custom_tokenizers_adapter_decides_alone(store, small_processor):
+    custom = mmstore.adapter_for(small_processor, image_token_id=99)
+    with store.writer(run_id="r", step=0, adapter=custom) as w:
+        with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span"):
+            w.write(stray_text_row("bad", 99))
+        # Qwen's published placeholder id is ordinary text to this tokenizer.
+        w.write(
+            stray_text_row("ordinary-text", mmstore.QwenVL.published_token_ids["image_token_id"])
+        )

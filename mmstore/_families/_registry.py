@@ -23,6 +23,8 @@ _FAMILIES: dict[str, str] = {
     "qwen-vl": "mmstore._families.qwen_vl.QwenVL",
     "glm4v": "mmstore._families.glm4v.Glm4v",
     "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
+    "gemma3": "mmstore._families.gemma3.Gemma3",
+    "pixtral": "mmstore._families.pixtral.Pixtral",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -34,6 +36,12 @@ _PROCESSORS: dict[str, str] = {
     _TF + "glm4v.image_processing_pil_glm4v.Glm4vImageProcessorPil": "glm4v",
     _TF + "glm4v.image_processing_glm4v.Glm4vImageProcessor": "glm4v",
     _TF + "kimi_k25.image_processing_kimi_k25.Kimi_K25ImageProcessor": "kimi-k25",
+    # Gemma 3: the PIL and the torchvision backend lay images out alike.
+    _TF + "gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil": "gemma3",
+    _TF + "gemma3.image_processing_gemma3.Gemma3ImageProcessor": "gemma3",
+    # Pixtral-12B and Mistral 3 (Mistral-Small-3.1 / 3.2); layout set by PixtralProcessor.
+    _TF + "pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil": "pixtral",
+    _TF + "pixtral.image_processing_pixtral.PixtralImageProcessor": "pixtral",
 }
 
 _LOADED: dict[str, type[Family]] = {}
@@ -122,6 +130,11 @@ def register_layout(layout: Layout) -> None:
     _LAYOUTS[layout.fingerprint] = Layout.make(
         layout.family, dict(layout.parameters), {**dict(layout.token_ids), **published}
     )
+
+
+def known_layouts() -> list[Layout]:
+    """Every layout an adapter of this process has registered."""
+    return list(_LAYOUTS.values())
 
 
 def layout_for_fingerprint(fingerprint: str) -> Layout | None:

@@ -23,7 +23,7 @@ from .._exceptions import ImageSizeError, UnsupportedProcessorError
 from ._base import Collation, Family, size_value
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class KimiK25(Family):
@@ -133,18 +133,6 @@ class KimiK25(Family):
 
     def vllm_item(self, image: Any, uuid: str) -> dict[str, Any]:
         return {"type": "image", "image": image, "uuid": uuid}
-
-    # -- batches ------------------------------------------------------------------------
-
-    def collate_images(  # type: ignore[override]  # None values for a batch without images
-        self, images: Sequence[Mapping[str, torch.Tensor]]
-    ) -> dict[str, torch.Tensor | None]:
-        # MoonViT cannot run on zero patches (its patch embedding reshapes an empty tensor),
-        # so a batch without images passes None, which the model skips; the keys stay, so
-        # model(**{k: batch[k] for k in model_input_names}) still runs.
-        if not images:
-            return dict.fromkeys(self.image_inputs)
-        return dict(super().collate_images(images))
 
 
 def _navit_resize() -> Any:

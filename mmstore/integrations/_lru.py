@@ -1,9 +1,14 @@
 """A thread-safe, byte-bounded LRU whose misses are computed once however many threads ask.
 
-Storage and eviction are :class:`mmstore._cache.ByteLRU`'s. Single flight: the first thread
-to miss a key computes it; threads asking for the same key meanwhile wait for that result
-instead of computing it again. A failed computation is handed to the threads waiting on it
-and never stored, so the next request retries.
+Storage and eviction are :class:`mmstore._cache.ByteLRU`'s (a ``cachetools.LRUCache``).
+Single flight: the first thread to miss a key computes it; threads asking for the same key
+meanwhile wait for that result instead of computing it again. A failed computation is handed
+to the threads waiting on it and never stored, so the next request retries.
+
+Why not ``cachetools.cached(cache, lock=, condition=)``, which also computes a key once: its
+waiters recompute, one after another, when the leader fails or its value is too large to
+keep (each failing request would cost N computations, not one), and it counts no coalesced
+waits, which the resolver's stats report.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 from .._cache import ByteLRU
+from .._exceptions import InvalidArgumentError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -24,7 +30,7 @@ class SingleFlightLRU(Generic[K, V]):
 
     def __init__(self, max_bytes: int, sizeof: Callable[[V], int]) -> None:
         if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+            raise InvalidArgumentError(f"max_bytes must be >= 0, got {max_bytes}")
         self._lru: ByteLRU[V] = ByteLRU(max_bytes)
         self._sizeof = sizeof
         self._inflight: dict[K, Future[V]] = {}

@@ -138,6 +138,7 @@ def read_rollouts(
     """
     ray = _ray()
     from ray.data.datasource import Partitioning
+    from ray.data.datasource.partitioning import PartitionStyle
 
     from .._scan import ROW_COLUMNS, take_snapshot
 
@@ -150,7 +151,7 @@ def read_rollouts(
         filesystem=backend.fs,
         columns=[*ROW_COLUMNS, "run_id", "step"],
         partitioning=Partitioning(
-            "hive",
+            PartitionStyle.HIVE,
             base_dir=backend.abspath("rollouts"),
             field_types={"run_id": str, "step": int},
         ),
