@@ -26,7 +26,6 @@ from itertools import compress
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -84,18 +83,6 @@ def build_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, Any, list[
 # ---------------------------------------------------------------- rollout side
 
 
-def screenshot(seed: int, target: int) -> Image.Image:
-    """A synthetic UI: title bar, a row of buttons, the target one highlighted."""
-    rng = random.Random(seed)
-    image = Image.new("RGB", (160, 120), (rng.randint(220, 250),) * 3)
-    draw = ImageDraw.Draw(image)
-    draw.rectangle([0, 0, 160, 12], fill=(40, 90, rng.randint(150, 250)))
-    for k in range(4):
-        colour = (230, 120, 40) if k == target else (90, 90, 90)
-        draw.rounded_rectangle([8 + 38 * k, 50, 38 + 38 * k, 70], radius=4, fill=colour)
-    return image
-
-
 def token_logprobs(model: torch.nn.Module, inputs: dict[str, Any], mask: torch.Tensor) -> Any:
     """log p(token t | tokens < t) for every t with ``mask[:, t]`` set (t >= 1), in order.
 
@@ -109,10 +96,11 @@ def play(rng: random.Random, store: mmstore.Store, adapter: Any, wrap: list[int]
     """One episode of the toy task: look, click, look again, answer.
 
     Returns the tokens, image refs, loss mask, reward and the images (for the logprobs)."""
-    target = task % 4
+    target = task % 4  # the button the task asks for
     click = rng.randrange(4)  # the policy's first action
     answer = [rng.choice(ACTIONS) for _ in range(rng.randint(2, 5))]  # and its final answer
-    images = [screenshot(task, target), screenshot(task * 10 + click + 1, target)]
+    screen = mmstore.synth.screenshot  # a synthetic UI: title bar, panels, buttons
+    images = [screen(task, 160, 120), screen(task * 10 + click + 1, 160, 120)]
     image = [wrap[0], adapter.image_token_id, wrap[1]]  # as the chat template emits it
     turns = [  # (tokens, trained on): prompt, action, observation (the click's result), answer
         ([*rng.sample(range(200, 999), 6), *image], False),

@@ -90,3 +90,10 @@ def test_killed_and_resumed_loop_ends_on_the_same_weights(tmp_path, reference, w
     losses = resumed[-1]
     assert losses["store_loss"] == losses["export_loss"] != 0
     assert mmstore.verify(mmstore.Store.open(tmp_path / "dump")).ok
+
+
+def test_the_loop_runs_behind_the_family_flag(tmp_path):
+    """GLM-4.1V (M-RoPE of its own, other token ids): one generation, and its replay."""
+    lines = loop(tmp_path, "--family", "glm4v", "--gens", "1", "--replay", str(tmp_path / "d"))
+    assert [line.get("step") for line in lines[:-2]] == [1, 2, 3, 4]
+    assert lines[-1]["store_loss"] == lines[-1]["export_loss"] != 0
