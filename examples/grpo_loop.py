@@ -7,12 +7,14 @@ and writes run ``gen-<g>`` (screenshots through ``put_image``, rows through ``st
 the trainer then makes one pass over that run, one optimizer step per loader step, with a
 PPO/GRPO clipped objective against the stored inference logprobs. Every ``--ckpt-every`` steps
 it saves model, optimizer and ``loader.state_dict()`` in one file (atomically), pins the rows
-the rest of the pass needs, and runs ``gc``/``release_run``: a rerun resumes from the file and
-ends on the same weights, bit for bit (CPU, deterministic settings). ``--replay`` then exports
-the last checkpoint's window and computes its first step's loss from both stores.
+the rest of the pass needs and releases older generations; ``gc`` runs after every step. A
+rerun resumes from the file and ends on the same weights, bit for bit (CPU, deterministic).
+``--replay`` then exports the last checkpoint's window and computes its first step's loss
+from both stores.
 
-The model is a tiny random-weight Qwen2-VL built from a config (nothing is downloaded); the
-policy samples its actions from a seeded RNG (a stand-in for vLLM), the model scores them.
+The model is a tiny random-weight Qwen2-VL (``--family glm4v``: GLM-4.1V) built from a config
+(nothing is downloaded); the policy samples its actions from a seeded RNG (a stand-in for
+vLLM), the model scores them.
 """
 
 from __future__ import annotations
