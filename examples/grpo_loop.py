@@ -1,0 +1,299 @@
+"""A GRPO loop on mmstore: write rollouts, train on packed micro-batches, checkpoint, resume.
+
+    python examples/grpo_loop.py --store runs/store --ckpt runs/ckpt.pt   # kill it, run again
+
+Each generation ``g``: the rollout side plays a toy two-turn UI task with the current policy
+and writes run ``gen-<g>`` (screenshots through ``put_image``, rows through ``store.writer``);
+the trainer then makes one pass over that run, one optimizer step per loader step, with a
+PPO/GRPO clipped objective against the stored inference logprobs. Every ``--ckpt-every`` steps
+it saves model, optimizer and ``loader.state_dict()`` in one file (atomically), pins the rows
+the rest of the pass needs and releases older generations; ``gc`` runs after every step. A
+rerun resumes from the file and ends on the same weights, bit for bit (CPU, deterministic).
+``--replay`` then exports the last checkpoint's window and computes its first step's loss
+from both stores.
+
+The model is a tiny random-weight Qwen2-VL (``--family glm4v``: GLM-4.1V) built from a config
+(nothing is downloaded); the policy samples its actions from a seeded RNG (a stand-in for
+vLLM), the model scores them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+from itertools import compress
+from typing import Any
+
+import torch
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import mmstore
+
+ACTIONS = range(100, 132)  # the toy action vocabulary: "click button k" is token 100 + k
+PIN_PREFIX = "grpo-ckpt-"
+
+
+def qwen2_vl() -> tuple[torch.nn.Module, Any, list[int]]:
+    """A tiny random-weight Qwen2-VL, its image processor (small screenshots), and the
+    chat-template tokens around an image."""
+    text = dict(vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
+                           video_token_id=151656, vision_start_token_id=151652)  # fmt: skip
+    processor = Qwen2VLImageProcessorPil(max_pixels=160 * 120)
+    return Qwen2VLForConditionalGeneration(config), processor, [151652, 151653]
+
+
+def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
+    """The same for GLM-4.1V (its published token ids)."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+            "partial_rotary_factor": 0.5}  # fmt: skip
+    text = dict(vocab_size=151352, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=32, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, image_size=28)  # fmt: skip
+    config = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=151343,
+                         video_token_id=151344, image_start_token_id=151339,
+                         image_end_token_id=151340, video_start_token_id=151341,
+                         video_end_token_id=151342)  # fmt: skip
+    size = {"shortest_edge": 112 * 112, "longest_edge": 160 * 120}
+    processor = Glm4vImageProcessorPil(size=size)
+    return Glm4vForConditionalGeneration(config), processor, [151339, 151340]
+
+
+FAMILIES = {"qwen2-vl": qwen2_vl, "glm4v": glm4v}
+
+
+def build_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, Any, list[int]]:
+    torch.manual_seed(seed)
+    model, processor, wrap = FAMILIES[family]()
+    model.set_attn_implementation("eager")
+    return model, processor, wrap
+
+
+# ---------------------------------------------------------------- rollout side
+
+
+def token_logprobs(model: torch.nn.Module, inputs: dict[str, Any], mask: torch.Tensor) -> Any:
+    """log p(token t | tokens < t) for every t with ``mask[:, t]`` set (t >= 1), in order.
+
+    Only those positions go through the 151k-wide LM head."""
+    hidden = model.model(**inputs).last_hidden_state[:, :-1][mask[:, 1:]]
+    logp = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+    return logp.gather(-1, inputs["input_ids"][:, 1:][mask[:, 1:]][:, None])[:, 0]
+
+
+def play(rng: random.Random, store: mmstore.Store, adapter: Any, wrap: list[int], task: int) -> Any:
+    """One episode of the toy task: look, click, look again, answer.
+
+    Returns the tokens, image refs, loss mask, reward and the images (for the logprobs)."""
+    target = task % 4  # the button the task asks for
+    click = rng.randrange(4)  # the policy's first action
+    answer = [rng.choice(ACTIONS) for _ in range(rng.randint(2, 5))]  # and its final answer
+    screen = mmstore.synth.screenshot  # a synthetic UI: title bar, panels, buttons
+    images = [screen(task, 160, 120), screen(task * 10 + click + 1, 160, 120)]
+    image = [wrap[0], adapter.image_token_id, wrap[1]]  # as the chat template emits it
+    turns = [  # (tokens, trained on): prompt, action, observation (the click's result), answer
+        ([*rng.sample(range(200, 999), 6), *image], False),
+        ([ACTIONS[click]], True),
+        ([*image, 7, 8], False),
+        (answer, True),
+    ]
+    span = adapter.num_tokens(*images[0].size)  # each image token becomes `span` tokens
+    mask = [flag for ids, flag in turns for t in ids
+            for _ in range(span if t == adapter.image_token_id else 1)]  # fmt: skip
+    # a group shares its first screenshot: content addressing stores it once
+    refs = [store.put_image(im) for im in images]
+    tokens, refs = adapter.expand([t for ids, _ in turns for t in ids], refs)
+    reward = float(click == target) + sum(a == ACTIONS[target] for a in answer) / len(answer)
+    return tokens, refs, mask, reward, images
+
+
+def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Namespace) -> None:
+    """Generation ``run``: ``--steps-per-gen`` store steps of ``--prompts`` groups of ``-G``.
+
+    A step already committed (by a run that was killed later) is kept, not written twice:
+    the policy and the seeds are the same, so it holds what this run would write."""
+    adapter = mmstore.adapter_for(processor)
+    for step in range(args.steps_per_gen):
+        if glob.glob(f"{store.root}/rollouts/run_id={run}/step={step}/*.parquet"):
+            continue
+        rng = random.Random(f"{run}/{step}")
+        with store.writer(run_id=run, step=step) as writer:
+            for p in range(args.prompts):
+                task = rng.randrange(10_000)
+                group = [play(rng, store, adapter, wrap, task) for _ in range(args.group_size)]
+                rewards = torch.tensor([g[3] for g in group])
+                advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+                for k, (tokens, refs, mask, reward, images) in enumerate(group):
+                    writer.write(mmstore.Rollout(
+                        sample_id=f"{run}-{step}-{p}-{k}", group_id=f"{run}-{step}-{p}",
+                        tokens=tokens, prompt_len=mask.index(True), loss_mask=mask,
+                        logprobs=inference_logprobs(model, processor, tokens, mask, images),
+                        images=refs, reward=reward, advantage=float(advantages[k]),
+                    ))  # fmt: skip
+
+
+@torch.no_grad()
+def inference_logprobs(model, processor, tokens, mask, images) -> list[float]:
+    """What the inference engine reports: the policy's logprob of each sampled token."""
+    ids = torch.tensor([tokens])
+    inputs = dict(processor(images=images, return_tensors="pt"), input_ids=ids,
+                  mm_token_type_ids=(ids == model.config.image_token_id).int())  # fmt: skip
+    scored = iter(token_logprobs(model, inputs, torch.tensor([mask])).tolist())
+    return [next(scored) if m else 0.0 for m in mask]  # 0.0 where the policy sampled nothing
+
+
+# ---------------------------------------------------------------- trainer side
+
+
+def micro_loss(model, batch: dict[str, Any], names, batch_size: int, clip: float) -> Any:
+    """The clipped GRPO objective of one packed micro-batch, as its share of the step's loss.
+
+    Each sample's loss is its mean over its completion tokens; the step's loss is the mean
+    over the step's ``batch_size`` samples, so micro-batch losses add up to it."""
+    mask = batch["loss_mask"]
+    logp = token_logprobs(model, {k: batch[k] for k in names}, mask)
+    old = batch["logprobs"][:, 1:][mask[:, 1:]]
+    lengths = batch["cu_seqlens"].diff().long()
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+    sample = sample[:, 1:][mask[:, 1:]]  # the sample each scored token belongs to
+    adv = batch["advantage"][sample]
+    ratio = torch.exp(logp - old)
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    per_sample = torch.zeros(len(lengths)).index_add(0, sample, per_token)
+    counts = torch.bincount(sample, minlength=len(lengths)).clamp(min=1)
+    return (per_sample / counts).sum() / batch_size  # filler segments have no scored tokens
+
+
+def make_loader(store, processor, run: str, args, workers: int | None = None) -> Any:
+    ds = mmstore.RolloutDataset(store, processor, dtype=torch.float32, runs=[run], seed=0)
+    return mmstore.RolloutLoader(
+        ds, batch_size=args.batch_size, max_tokens=args.max_tokens,
+        num_workers=args.workers if workers is None else workers,
+    )  # fmt: skip
+
+
+def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Write-then-rename: a kill at any point leaves the previous checkpoint or this one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, trained) -> None:
+    """Pin the pass's rows first, then save; then drop older pins and generations."""
+    name = f"{PIN_PREFIX}{step}"
+    mmstore.pin_rows(store, name, runs=[f"gen-{gen}"])  # the rest of this pass reads these
+    save_checkpoint(path, dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen,
+                               step=step, loader=loader.state_dict(), trained=trained))  # fmt: skip
+    for old in mmstore.list_pins(store):
+        if old.startswith(PIN_PREFIX) and old != name:
+            mmstore.unpin(store, old)
+    if gen > 0 and glob.glob(f"{store.root}/rollouts/run_id=gen-{gen - 1}"):
+        mmstore.release_run(store, f"gen-{gen - 1}", grace_seconds=0)  # no resume needs it
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    store = mmstore.Store.open(args.store, create=True)
+    model, processor, wrap = build_model(args.family)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt = torch.load(args.ckpt) if os.path.exists(args.ckpt) else None
+    start_gen, step, trained = 0, 0, []
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        start_gen, step, trained = ckpt["gen"], ckpt["step"], ckpt["trained"]
+    for gen in range(start_gen, args.gens):
+        run = f"gen-{gen}"
+        write_rollouts(store, model.eval(), processor, wrap, run, args)
+        loader = make_loader(store, processor, run, args)
+        if ckpt is not None and gen == ckpt["gen"]:
+            loader.load_state_dict(ckpt["loader"])  # the rest of this pass, exactly
+        model.train()
+        ids: list[str] = []
+        for batch in loader:
+            loss = micro_loss(model, batch, loader.model_input_names, args.batch_size, args.clip)
+            loss.backward()
+            ids += compress(batch["sample_ids"], (~batch["is_filler"]).tolist())
+            if batch["micro"] + 1 < batch["num_micro"]:
+                continue  # gradient accumulation over the step's micro-batches
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            trained.append(ids)
+            ids = []
+            print(json.dumps({"step": step, "gen": gen, "samples": len(trained[-1])}), flush=True)
+            if step % args.ckpt_every == 0:
+                checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
+            mmstore.gc(store, grace_seconds=0)  # between steps: nothing a resume needs goes
+        ckpt = None
+        if gen == args.gens - 1:
+            checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
+    return {"step": step, "trained": trained}
+
+
+def replay(args: argparse.Namespace, dest: str) -> tuple[float, float]:
+    """The last checkpoint's first step, from the store and from an export of its window."""
+    store = mmstore.Store.open(args.store)
+    model, processor, _ = build_model(args.family)
+    ckpt = torch.load(args.ckpt)
+    model.load_state_dict(ckpt["model"])
+    run = f"gen-{ckpt['gen']}"
+    dump = mmstore.export(store, dest, runs=[run])
+    losses = []
+    for source in (store, dump):
+        total = 0.0
+        loader = make_loader(source, processor, run, args, workers=0)
+        names = loader.model_input_names
+        for batch in loader:
+            if batch["step"] > 0:
+                break
+            with torch.no_grad():
+                total += float(micro_loss(model, batch, names, args.batch_size, args.clip))
+        losses.append(total)
+    return losses[0], losses[1]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", default="runs/grpo-store")
+    p.add_argument("--ckpt", default="runs/grpo-ckpt.pt")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2-vl")
+    p.add_argument("--gens", type=int, default=3, help="rollout generations")
+    p.add_argument("--steps-per-gen", type=int, default=2, help="store steps per generation")
+    p.add_argument("--prompts", type=int, default=2, help="GRPO groups per store step")
+    p.add_argument("-G", "--group-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4, help="samples per optimizer step")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per micro-batch")
+    p.add_argument("--ckpt-every", type=int, default=3)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--replay", metavar="DEST", help="then export the last window to DEST (new)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse()
+    result = train(args)
+    print(json.dumps({"done": result["step"]}), flush=True)
+    if args.replay:
+        store_loss, export_loss = replay(args, args.replay)
+        print(json.dumps({"store_loss": store_loss, "export_loss": export_loss}))

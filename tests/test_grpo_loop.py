@@ -1,0 +1,99 @@
+"""The worked GRPO loop (examples/grpo_loop.py): killed with SIGKILL at a random step and
+resumed from its last checkpoint, it ends on the same weights, bit for bit, having trained
+the same samples in the same order; and its replay export gives the same loss.
+
+Every run is a subprocess (the loop as a user runs it); a run is mostly interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mmstore
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo_loop.py"
+STEPS = 12  # the example's defaults: 3 generations x 16 samples, 4 per optimizer step
+CKPT_EVERY = 3
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def loop(tmp: Path, *args: str, kill_at: int | None = None) -> list[dict[str, Any]]:
+    """Run the example on ``tmp``'s store and checkpoint; SIGKILL it once it reports step
+    ``kill_at``. Returns its JSON progress lines."""
+    cmd = [sys.executable, str(EXAMPLE), "--store", str(tmp / "store"), "--ckpt",
+           str(tmp / "ckpt.pt"), "--ckpt-every", str(CKPT_EVERY), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MMSTORE_PROGRESS": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if kill_at is not None and lines[-1].get("step") == kill_at:
+            proc.send_signal(signal.SIGKILL)
+            break
+    rc = proc.wait(timeout=300)
+    assert rc == (-signal.SIGKILL if kill_at is not None else 0), lines
+    return lines
+
+
+def final(tmp: Path) -> dict[str, Any]:
+    return torch.load(tmp / "ckpt.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    lines = loop(tmp)
+    assert [line["step"] for line in lines[:-1]] == list(range(1, STEPS + 1))
+    return final(tmp)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_and_resumed_loop_ends_on_the_same_weights(tmp_path, reference, workers):
+    kill_at = random.Random(workers).randrange(CKPT_EVERY + 1, STEPS)  # past a checkpoint
+    killed = loop(tmp_path, "--workers", str(workers), kill_at=kill_at)
+    assert killed[-1]["step"] == kill_at
+    restart = final(tmp_path)["step"]  # the last checkpoint the killed run saved
+    assert restart >= CKPT_EVERY and restart % CKPT_EVERY == 0
+    resumed = loop(tmp_path, "--workers", str(workers), "--replay", str(tmp_path / "dump"))
+    assert resumed[0]["step"] == restart + 1, "the resume did not start at the checkpoint"
+
+    got = final(tmp_path)
+    assert got["trained"] == reference["trained"]  # the same sample ids, the same steps
+    flat = [s for step in got["trained"] for s in step]
+    assert len(flat) == len(set(flat)) == STEPS * 4
+    for name, tensor in reference["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs after the resume"
+    for key, state in reference["opt"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["opt"]["state"][key][name], state[name])
+
+    # pins: only the last checkpoint's; older generations released, their media collected
+    store = mmstore.Store.open(tmp_path / "store")
+    assert list(mmstore.list_pins(store)) == [f"grpo-ckpt-{STEPS}"]
+    assert sorted(p.name for p in (tmp_path / "store" / "rollouts").iterdir()) == ["run_id=gen-2"]
+    assert mmstore.verify(store).ok
+
+    # replay: the export of the last window holds exactly its rows and media, same loss
+    losses = resumed[-1]
+    assert losses["store_loss"] == losses["export_loss"] != 0
+    assert mmstore.verify(mmstore.Store.open(tmp_path / "dump")).ok
+
+
+def test_the_loop_runs_behind_the_family_flag(tmp_path):
+    """GLM-4.1V (M-RoPE of its own, other token ids): one generation, and its replay."""
+    lines = loop(tmp_path, "--family", "glm4v", "--gens", "1", "--replay", str(tmp_path / "d"))
+    assert [line.get("step") for line in lines[:-2]] == [1, 2, 3, 4]
+    assert lines[-1]["store_loss"] == lines[-1]["export_loss"] != 0
