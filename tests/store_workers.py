@@ -262,7 +262,10 @@ def lifecycle_op(root: str, trial: int, op: str, marker_fd: int) -> None:
     elif op == "release_run":
         mmstore.release_run(store, f"run{trial}", grace_seconds=60)
     elif op == "export":
-        mmstore.export(store, f"{root}-export-{trial}", runs=[f"run{trial}", f"run{trial - 1}"])
+        # An earlier trial may have released the previous run: export the runs still there.
+        held = {f.path.split("/")[1].removeprefix("run_id=") for f in store.rollout_files()}
+        runs = [r for r in (f"run{trial}", f"run{trial - 1}") if r in held]
+        mmstore.export(store, f"{root}-export-{trial}", runs=runs)
     else:  # pin a run's rows, then release it: the pin must keep every one of its images
         mmstore.pin_rows(store, f"pin{trial}", runs=[f"run{trial}"])
         mmstore.release_run(store, f"run{trial}", grace_seconds=60)

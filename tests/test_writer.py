@@ -311,13 +311,47 @@ def stray_text_row(sample_id, token_id):
     )
 
 
-def test_text_only_row_with_a_placeholder_is_refused_without_adapter_argument(store, adapter):
-    """An adapter built anywhere in this process tells the writer the family's placeholder."""
+def test_text_only_row_with_a_placeholder_is_refused_without_adapter_argument(
+    store, adapter, monkeypatch
+):
+    """An adapter built anywhere in this process tells the writer the family's placeholder,
+    when the adapters of this process are all of one family."""
+    monkeypatch.setattr(
+        mmstore._families._registry, "_LAYOUTS", {adapter.fingerprint: adapter.layout}
+    )
     with store.writer(run_id="r", step=0) as w:  # no adapter=
         with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span"):
             w.write(stray_text_row("bad", adapter.image_token_id))
         w.write(stray_text_row("fine", 5))
     assert [r.sample_id for r in read_rows(store)] == ["fine"]
+
+
+def test_adapters_of_several_families_leave_text_only_rows_to_the_run(store, adapter, monkeypatch):
+    """One family's image-only token is another's text (Pixtral's [IMG_END] is 13): with
+    adapters of two families in this process and nothing else to go by, a text-only row of
+    a new run cannot be judged and is accepted; once the run has images, it can."""
+    from mmstore._families import Layout
+
+    other = Layout.make(
+        "pixtral",
+        {"patch_size": 14, "spatial_merge_size": 2, "longest_edge": 1540},
+        {
+            "image_token_id": 10,
+            "image_break_token_id": 12,
+            "image_end_token_id": 13,
+            "pad_token_id": 11,
+        },
+    )
+    monkeypatch.setattr(
+        mmstore._families._registry,
+        "_LAYOUTS",
+        {adapter.fingerprint: adapter.layout, other.fingerprint: other},
+    )
+    with store.writer(run_id="r", step=0) as w:
+        w.write(stray_text_row("text", 13))
+        w.write(make_row(adapter, [store.put_media(image_bytes(1))], "with-image"))
+        with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span"):
+            w.write(stray_text_row("bad", adapter.image_token_id))
 
 
 def test_the_runs_recorded_layouts_tell_a_fresh_process(store, adapter, monkeypatch):
