@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse, urlsplit
 
 from PIL import Image
 
-from ._backends import STAGING, Backend, FileStat, LocalBackend, S3Backend
+from ._backends import STAGING, Backend, FileStat, LocalBackend, NotAFileError, S3Backend
 from ._exceptions import (
     HashMismatchError,
     ImageDecodeError,
@@ -45,9 +45,14 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 MANIFEST = "mmstore.json"
+# A real manifest is a few hundred bytes; anything far larger is not one.
+MAX_MANIFEST_BYTES = 1 << 20
 ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
+# Linux's limits (limits.h): longer names fail every file call with ENAMETOOLONG.
+NAME_MAX = 255
+PATH_MAX = 4096
 # An RFC 3986 scheme prefix; a URI without one is store-relative.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -160,6 +165,8 @@ class Store:
         backend, rel = self.resolve(uri)
         try:
             data = backend.read(rel)
+        except NotAFileError:  # a FIFO, device or directory: refused without blocking
+            raise MediaNotFoundError("media path is not a regular file", uri=uri) from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MediaNotFoundError("media file not found", uri=uri) from None
         actual = content_hash(data)
@@ -241,6 +248,7 @@ class Store:
             raise UntrustedURIError(
                 f"store-relative media URIs are normalized paths under {MEDIA}/", uri=uri
             )
+        _check_name_lengths(uri, uri)
         if isinstance(self.backend, LocalBackend) and not self.backend.inside(
             self.backend.abspath(uri)
         ):
@@ -340,7 +348,22 @@ def _file_target(uri: str) -> str:
     path = unquote(parsed.path)
     if not path.startswith("/") or "\\" in path or ".." in path.split("/"):
         raise UntrustedURIError("file URI must name a normalized absolute path", uri=uri)
+    if any(ord(c) < 32 for c in path):  # %00 and friends: no OS takes them in a file name
+        raise UntrustedURIError("file URI encodes control characters", uri=uri)
+    _check_name_lengths(path, uri)
     return "file://" + os.path.normpath(path)
+
+
+def _check_name_lengths(path: str, uri: str) -> None:
+    """Refuse a path no file system can hold (a name over NAME_MAX, the whole over PATH_MAX)
+    up front, with the URI named, instead of an OSError from the first stat."""
+    encoded = path.encode("utf-8", "surrogateescape")
+    if len(encoded) >= PATH_MAX or any(len(p) > NAME_MAX for p in encoded.split(b"/")):
+        raise UntrustedURIError(
+            f"media path is longer than a file system allows ({NAME_MAX} bytes a name, "
+            f"{PATH_MAX} in all)",
+            uri=uri[:300],
+        )
 
 
 def _create_manifest(backend: Backend, root: str) -> dict[str, Any]:
@@ -363,13 +386,22 @@ def _create_manifest(backend: Backend, root: str) -> dict[str, Any]:
 
 
 def _read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:
+    """The manifest, None where there is none; NotAStoreError for anything that is not a
+    small JSON object (a directory, a FIFO, megabytes or deep nesting of forged JSON)."""
+    found = backend.stat(MANIFEST)
+    if found is not None and found.size > MAX_MANIFEST_BYTES:
+        raise NotAStoreError(
+            f"{MANIFEST} at {root!r} is {found.size} bytes, not a manifest", root=root
+        )
     try:
         raw = backend.read(MANIFEST)
+    except NotAFileError:
+        raise NotAStoreError(f"{MANIFEST} at {root!r} is not a regular file", root=root) from None
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         manifest = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise NotAStoreError(f"{MANIFEST} at {root!r} is not JSON", root=root) from None
     if not isinstance(manifest, dict):
         raise NotAStoreError(f"{MANIFEST} at {root!r} is not a JSON object", root=root)
