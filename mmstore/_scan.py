@@ -24,6 +24,7 @@ from ._refscan import (
     reading,
     select_files,
 )
+from ._rowcheck import FILE_COLUMN, conform
 from ._schema import check_schema_version
 from ._store import ROLLOUTS
 
@@ -141,7 +142,8 @@ def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]
 
 
 def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
-    """The rows of ``units``, in order, as one table (only the loader's columns)."""
+    """The rows of ``units``, in order, as one table: the loader's columns cast to the v1
+    types (or :class:`CorruptFileError` naming the file), and ``_file``, each row's file."""
     tables = []
     handles: dict[str, Any] = {}
     for unit in units:
@@ -151,5 +153,7 @@ def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
         with reading(unit.file):
             table = handle.read_row_group(unit.row_group, columns=ROW_COLUMNS)
         check_value_counts(handle.metadata, unit.row_group, table, unit.file)
-        tables.append(table)
+        table = conform(table, ROW_COLUMNS, file=unit.file)
+        files = pa.array([unit.file] * table.num_rows, pa.string())
+        tables.append(table.append_column(FILE_COLUMN, files))
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})
