@@ -8,6 +8,8 @@ resume at batch ``k`` reads nothing before it.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +28,7 @@ from ._materialize import (
     Sample,
     check_missing_policy,
 )
+from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
 from ._scan import Snapshot, fingerprints_by_run, read_units, take_snapshot
 from ._store import Store
@@ -56,6 +59,8 @@ class RolloutDataset(IterableDataset[Sample]):
         max_len: int | None = None,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        node_cache_bytes: int | None = None,
+        node_cache_dir: str | None = None,
         window_units: int = DEFAULT_WINDOW_UNITS,
     ) -> None:
         check_missing_policy(missing)
@@ -71,6 +76,12 @@ class RolloutDataset(IterableDataset[Sample]):
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.max_len = max_len
         self.cache_bytes = cache_bytes
+        self.node_cache_dir = node_cache_dir or default_directory()
+        if node_cache_bytes is None:
+            node_cache_bytes = DEFAULT_NODE_CACHE_BYTES if self.node_cache_dir else 0
+        if node_cache_bytes < 0:
+            raise ValueError(f"node_cache_bytes must be >= 0, got {node_cache_bytes}")
+        self.node_cache_bytes = node_cache_bytes
         self.window_units = window_units
         self.epoch = 0
         self.position = 0
@@ -130,8 +141,14 @@ class RolloutDataset(IterableDataset[Sample]):
                 missing=self.missing,
                 max_len=self.max_len,
                 cache_bytes=self.cache_bytes,
+                node_cache=self._node_cache(),
             )
         return self._materializer
+
+    def _node_cache(self) -> NodeCache | None:
+        if not self.node_cache_bytes or not self.node_cache_dir:
+            return None
+        return NodeCache(self.node_cache_dir, self.node_cache_bytes)
 
     def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
         """Materialize the samples at increasing ``positions`` of this rank's epoch."""
@@ -214,9 +231,11 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
-        cache = self.dataset.materializer().cache
+        materializer = self.dataset.materializer()
+        cache, node = materializer.cache, materializer.node_cache
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
+        node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
         for position, sample in self.dataset.samples(self.epoch, positions):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
@@ -233,6 +252,15 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
                     cache.misses - misses,
                 )
                 hits, misses = cache.hits, cache.misses
+                # Node level: images this worker found published by any process of the node,
+                # and images it processed itself (summed over a node: each distinct image once).
+                if node is not None:
+                    batch["node_cache_hits"] = node.hits - node_hits
+                    batch["node_cache_misses"] = node.misses - node_misses
+                    node_hits, node_misses = node.hits, node.misses
+                else:
+                    batch["node_cache_hits"] = 0
+                    batch["node_cache_misses"] = batch["cache_misses"]
                 pending = []
                 if info is None:
                     self.start = batch["batch_index"] + 1
@@ -273,6 +301,7 @@ class RolloutLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        worker_threads: int | None = None,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -287,6 +316,9 @@ class RolloutLoader:
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
+        if worker_threads is not None and worker_threads <= 0:
+            raise ValueError(f"worker_threads must be positive, got {worker_threads}")
+        self.worker_threads = worker_threads or default_worker_threads(num_workers)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
 
@@ -336,6 +368,7 @@ class RolloutLoader:
             pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
             timeout=self.timeout,
+            worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for batch in loader:
             if batch["images_missing"]:
@@ -388,6 +421,23 @@ class RolloutLoader:
         self.dataset.use_snapshot(state["files"])
         self.set_epoch(int(state["epoch"]))
         self.batches_yielded = int(state["batches_yielded"])
+
+
+def default_worker_threads(num_workers: int) -> int:
+    """Torch threads per DataLoader worker: the cores this process may use, shared out.
+
+    Why: every worker runs the image processor (torchvision ops are multi-threaded); more
+    threads than cores in total only adds contention, and torch otherwise gives each worker
+    as many threads as the machine has cores (or 1, as DataLoader sets, leaving cores idle
+    on a machine with more cores than workers).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_workers))
+
+
+def init_worker(threads: int, worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: keep torch to ``threads`` threads in this worker."""
+    torch.set_num_threads(threads)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
