@@ -30,7 +30,8 @@ from ._materialize import (
 )
 from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
-from ._scan import Snapshot, fingerprints_by_run, read_units, take_snapshot
+from ._refscan import partition_of
+from ._scan import Snapshot, fingerprints_by_file, read_units, take_snapshot
 from ._store import Store
 
 STATE_VERSION = 1
@@ -90,16 +91,18 @@ class RolloutDataset(IterableDataset[Sample]):
         self._materializer: Materializer | None = None
 
     def _check_layouts(self, snapshot: Snapshot) -> None:
-        found = fingerprints_by_run(self.store, snapshot)
-        wrong = {fp: runs for fp, runs in found.items() if fp != self.adapter.fingerprint}
+        found = fingerprints_by_file(self.store, snapshot)
+        wrong = {fp: files for fp, files in found.items() if fp != self.adapter.fingerprint}
         if wrong:
+            runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
             listing = "; ".join(
-                f"{fp} in runs {sorted(runs)}" for fp, runs in sorted(wrong.items())
+                f"{fp} in runs {sorted(r)}" for fp, r in sorted(runs.items(), key=str)
             )
             raise LayoutMismatchError(
                 f"stored image layouts differ from the processor's ({self.adapter.fingerprint}, "
                 f"{self.adapter.layout.params()}): {listing}",
-                runs=sorted({r for runs in wrong.values() for r in runs}),
+                runs=sorted({r for rs in runs.values() for r in rs}),
+                files=sorted({f for files in wrong.values() for f in files}),
             )
 
     def use_snapshot(self, files: list[str]) -> None:

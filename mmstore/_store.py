@@ -139,7 +139,8 @@ class Store:
         the pixel limit; puts read headers only (a corrupt body fails when it is decoded,
         with :class:`ImageDecodeError`). A put of bytes already present writes nothing new
         and renews the file's timestamp, so gc's grace period protects rows about to
-        reference it.
+        reference it; a damaged file at that path (other bytes) is replaced with the good
+        ones, locally after a byte comparison, on S3 by the PUT every put sends.
         """
         ext = ext.lower().lstrip(".")
         if ext not in EXTENSIONS:
