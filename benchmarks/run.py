@@ -73,6 +73,14 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
     "trust": ("benchmarks.bench_trust", []),
+    "pack": (
+        "benchmarks.bench_pack",
+        [
+            ("packing efficiency mmstore / padded", "mmstore_over_padded", "better"),
+            ("packing efficiency mmstore / greedy", "mmstore_over_greedy", "better"),
+            ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better"),
+        ],
+    ),
     "scan": (
         "benchmarks.bench_scan",
         [

@@ -28,8 +28,10 @@ from ._materialize import (
     Sample,
     check_missing_policy,
 )
+from ._microbatch import packed_input_names
 from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
+from ._packed import PackedPlanner, PackedStream
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, take_snapshot
 from ._store import Store
@@ -288,6 +290,16 @@ class RolloutLoader:
     when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
     the fewest batches any rank has (computed from metadata), dropping the surplus of that
     epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every sample.
+
+    **Packed** (``max_tokens=T``): the loader yields micro-batches of at most ``T`` tokens
+    instead of padded batches (see :mod:`._microbatch` for what one holds). A step is
+    ``batch_size`` samples per rank: positions ``[s*B*W, (s+1)*B*W)`` of the epoch's global
+    order, packed all ranks together and dealt token-balanced, every rank the same
+    ``num_micro`` (see :mod:`._pack`). Every sample appears once per epoch on one rank; the
+    plan comes from footers and small columns only, identically on every rank; ``state_dict``
+    counts micro-batches, so a resume is exact at any micro-batch, any ``num_workers``.
+    A sample longer than the budget is refused when the epoch is planned
+    (:class:`SampleTooLongError`); ``max_len`` truncates first (whole images kept).
     """
 
     def __init__(
@@ -305,9 +317,18 @@ class RolloutLoader:
         multiprocessing_context: Any = None,
         timeout: float = 0,
         worker_threads: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if max_tokens is not None and drop_last:
+            raise InvalidArgumentError("drop_last does not apply to packed micro-batches")
+        self.max_tokens = max_tokens
+        self._planner = (
+            None
+            if max_tokens is None
+            else PackedPlanner(dataset, batch_size=batch_size, max_tokens=max_tokens)
+        )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -328,7 +349,10 @@ class RolloutLoader:
     @property
     def model_input_names(self) -> tuple[str, ...]:
         """The batch keys the family's transformers model takes:
-        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs."""
+        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs (packed: position
+        ids and no padding mask)."""
+        if self._planner is not None:
+            return packed_input_names(self.dataset.adapter)
         return self.dataset.adapter.model_input_names
 
     def set_epoch(self, epoch: int) -> None:
@@ -336,7 +360,10 @@ class RolloutLoader:
         self.batches_yielded = 0
 
     def __len__(self) -> int:
-        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks)."""
+        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks);
+        packed: micro-batches, the same number on every rank."""
+        if self._planner is not None:
+            return len(self._planner.plan(self.epoch)[0])
         ds = self.dataset
         ranks = range(ds.world_size) if self.even_ranks else [ds.rank]
         return min(
@@ -362,7 +389,16 @@ class RolloutLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
-        stream = self._stream(self.epoch, self.batches_yielded, total)
+        stream: IterableDataset[dict[str, Any]]
+        if self._planner is not None:
+            stream = PackedStream(
+                self._planner,
+                epoch=self.epoch,
+                start=self.batches_yielded,
+                pad_token_id=self.pad_token_id,
+            )
+        else:
+            stream = self._stream(self.epoch, self.batches_yielded, total)
         loader = DataLoader(
             stream,
             batch_size=None,
@@ -397,6 +433,9 @@ class RolloutLoader:
             "rank": ds.rank,
             "world_size": ds.world_size,
             "window_units": ds.window_units,
+            "max_tokens": self.max_tokens,
+            # the plan's lengths are after truncation: a packed resume needs the same max_len
+            **({"max_len": ds.max_len} if self.max_tokens is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -155,6 +155,7 @@ class RolloutWriter:
         self._known_media: set[tuple[str, str]] = set()
         self._unsynced: set[str] = set()  # URIs the uncommitted rows reference
         self._pending: list[dict[str, Any]] = []
+        self._num_tokens: list[int] = []  # of every row in the open file, for its footer
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
@@ -208,6 +209,7 @@ class RolloutWriter:
         self._sample_ids.add(rollout.sample_id)
         self._unsynced.update(ref.uri for ref in rollout.images)
         self._pending.append(_buffered(rollout))
+        self._num_tokens.append(len(rollout.tokens))
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
 
@@ -267,7 +269,8 @@ class RolloutWriter:
         """Close the Parquet writer and return the whole file."""
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
-        metadata = file_metadata(self.run_id, self.step, layouts)
+        metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
+        self._num_tokens = []
         self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
         self._parquet.close()
         data: bytes = self._sink.getvalue().to_pybytes()
@@ -278,6 +281,7 @@ class RolloutWriter:
         """Drop everything not yet committed and close the writer."""
         self._pending = []
         self._encoded = None
+        self._num_tokens = []
         if self._parquet is not None:
             self._parquet.close()
         self._parquet = self._sink = None
