@@ -9,7 +9,7 @@ resume at batch ``k`` reads nothing before it.
 from __future__ import annotations
 
 import functools
-import os
+import multiprocessing
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -340,9 +340,7 @@ class RolloutLoader:
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
-        if worker_threads is not None and worker_threads <= 0:
-            raise ValueError(f"worker_threads must be positive, got {worker_threads}")
-        self.worker_threads = worker_threads or default_worker_threads(num_workers)
+        self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
 
@@ -465,16 +463,24 @@ class RolloutLoader:
         self.batches_yielded = int(state["batches_yielded"])
 
 
-def default_worker_threads(num_workers: int) -> int:
-    """Torch threads per DataLoader worker: the cores this process may use, shared out.
+def check_worker_threads(threads: int | None, context: Any) -> int:
+    """Torch threads per DataLoader worker: 1 unless asked (as DataLoader sets by itself).
 
-    Why: every worker runs the image processor (torchvision ops are multi-threaded); more
-    threads than cores in total only adds contention, and torch otherwise gives each worker
-    as many threads as the machine has cores (or 1, as DataLoader sets, leaving cores idle
-    on a machine with more cores than workers).
+    More than one is refused in forked workers: the parent's OpenMP thread pool does not
+    survive ``fork`` (libgomp), and a forked worker that starts more threads hangs. With a
+    ``spawn`` or ``forkserver`` context, ``threads`` (e.g. cores // num_workers) is safe.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_workers))
+    if threads is None:
+        return 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+        raise InvalidArgumentError(f"worker_threads must be a positive int, got {threads!r}")
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    if threads > 1 and (method or multiprocessing.get_start_method()) == "fork":
+        raise InvalidArgumentError(
+            f"worker_threads={threads} needs multiprocessing_context='spawn' or 'forkserver': "
+            "forked workers hang when they start OpenMP threads"
+        )
+    return threads
 
 
 def init_worker(threads: int, worker_id: int) -> None:
