@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import platform
+import tempfile
 import time
 from typing import Any
 
@@ -71,6 +72,7 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ],
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
+    "trust": ("benchmarks.bench_trust", []),
     "pack": (
         "benchmarks.bench_pack",
         [
@@ -79,7 +81,6 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better"),
         ],
     ),
-    "trust": ("benchmarks.bench_trust", []),
     "scan": (
         "benchmarks.bench_scan",
         [
@@ -109,6 +110,18 @@ def headline(name: str, result: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def _direction(name: str, label: str) -> str:
+    """How to read a ratio: "higher = mmstore better" unless its SUITE entry says otherwise."""
+    for row_label, _, direction in SUITE[name][1]:
+        if row_label == label:
+            return {
+                "better": "higher = mmstore better",
+                "lower": "lower = mmstore better",
+                "flat": "1 = flat",
+            }.get(direction, direction)
+    return "see the benchmark's docstring"
+
+
 def run_all(scale: float, reps: int, only: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (module_name, _) in SUITE.items():
@@ -130,12 +143,12 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         f"scale {meta['scale']}, {meta['reps']} repetitions, {meta['cores']} cores, "
         f"{meta['machine']}. Ratios of two measurements taken in the same run.",
         "",
-        "| benchmark | ratio |",
-        "|---|---:|",
+        "| benchmark | ratio | direction |",
+        "|---|---:|---|",
     ]
     for name, result in results.items():
         for label, value in headline(name, result):
-            lines.append(f"| {label} | {value:.3g} |")
+            lines.append(f"| {label} | {value:.3g} | {_direction(name, label)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -162,9 +175,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=float(os.environ.get("BENCH_SCALE", 1)))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="default: benchmarks/results at full scale (>= 1), a scratch folder below it, "
+        "so a small run never overwrites committed full-scale results",
+    )
     parser.add_argument("--only", nargs="*", choices=list(SUITE))
     args = parser.parse_args(argv)
+    if args.out is None:
+        full = args.scale >= 1
+        results_dir = os.path.join(os.path.dirname(__file__), "results")
+        args.out = results_dir if full else tempfile.mkdtemp(prefix="mmstore-bench-")
     meta = {
         "date": datetime.date.today().isoformat(),
         "scale": args.scale,

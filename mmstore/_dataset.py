@@ -8,6 +8,8 @@ resume at batch ``k`` reads nothing before it.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import operator
 import warnings
 from collections.abc import Iterable, Iterator
@@ -28,6 +30,7 @@ from ._materialize import (
     check_missing_policy,
 )
 from ._microbatch import packed_input_names
+from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
 from ._packed import PackedPlanner, PackedStream
 from ._refscan import partition_of
@@ -60,6 +63,8 @@ class RolloutDataset(IterableDataset[Sample]):
         max_len: int | None = None,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        node_cache_bytes: int | None = None,
+        node_cache_dir: str | None = None,
         window_units: int = DEFAULT_WINDOW_UNITS,
     ) -> None:
         check_missing_policy(missing)
@@ -74,6 +79,12 @@ class RolloutDataset(IterableDataset[Sample]):
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.max_len = max_len
         self.cache_bytes = cache_bytes
+        self.node_cache_dir = node_cache_dir or default_directory()
+        if node_cache_bytes is None:
+            node_cache_bytes = DEFAULT_NODE_CACHE_BYTES if self.node_cache_dir else 0
+        if node_cache_bytes < 0:
+            raise ValueError(f"node_cache_bytes must be >= 0, got {node_cache_bytes}")
+        self.node_cache_bytes = node_cache_bytes
         self.window_units = window_units
         self.epoch = 0
         self.position = 0
@@ -139,8 +150,14 @@ class RolloutDataset(IterableDataset[Sample]):
                 missing=self.missing,
                 max_len=self.max_len,
                 cache_bytes=self.cache_bytes,
+                node_cache=self._node_cache(),
             )
         return self._materializer
+
+    def _node_cache(self) -> NodeCache | None:
+        if not self.node_cache_bytes or not self.node_cache_dir:
+            return None
+        return NodeCache(self.node_cache_dir, self.node_cache_bytes)
 
     def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
         """Materialize the samples at increasing ``positions`` of this rank's epoch."""
@@ -223,9 +240,11 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
-        cache = self.dataset.materializer().cache
+        materializer = self.dataset.materializer()
+        cache, node = materializer.cache, materializer.node_cache
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
+        node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
         for position, sample in self.dataset.samples(self.epoch, positions):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
@@ -242,6 +261,15 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
                     cache.misses - misses,
                 )
                 hits, misses = cache.hits, cache.misses
+                # Node level: images this worker found published by any process of the node,
+                # and images it processed itself (summed over a node: each distinct image once).
+                if node is not None:
+                    batch["node_cache_hits"] = node.hits - node_hits
+                    batch["node_cache_misses"] = node.misses - node_misses
+                    node_hits, node_misses = node.hits, node.misses
+                else:
+                    batch["node_cache_hits"] = 0
+                    batch["node_cache_misses"] = batch["cache_misses"]
                 pending = []
                 if info is None:
                     self.start = batch["batch_index"] + 1
@@ -304,6 +332,7 @@ class RolloutLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        worker_threads: int | None = None,
         max_tokens: int | None = None,
     ) -> None:
         if batch_size <= 0:
@@ -327,6 +356,7 @@ class RolloutLoader:
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
+        self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
 
@@ -396,6 +426,7 @@ class RolloutLoader:
             pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
             timeout=self.timeout,
+            worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for batch in loader:
             if batch["images_missing"]:
@@ -460,6 +491,31 @@ def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
     keys = sorted(stored.keys() | mine.keys(), key=lambda k: (k != "family", k))
     differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
     return ", ".join(differ) or "the same parameters under another fingerprint"
+
+
+def check_worker_threads(threads: int | None, context: Any) -> int:
+    """Torch threads per DataLoader worker: 1 unless asked (as DataLoader sets by itself).
+
+    More than one is refused in forked workers: the parent's OpenMP thread pool does not
+    survive ``fork`` (libgomp), and a forked worker that starts more threads hangs. With a
+    ``spawn`` or ``forkserver`` context, ``threads`` (e.g. cores // num_workers) is safe.
+    """
+    if threads is None:
+        return 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+        raise InvalidArgumentError(f"worker_threads must be a positive int, got {threads!r}")
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    if threads > 1 and (method or multiprocessing.get_start_method()) == "fork":
+        raise InvalidArgumentError(
+            f"worker_threads={threads} needs multiprocessing_context='spawn' or 'forkserver': "
+            "forked workers hang when they start OpenMP threads"
+        )
+    return threads
+
+
+def init_worker(threads: int, worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: keep torch to ``threads`` threads in this worker."""
+    torch.set_num_threads(threads)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -217,6 +217,21 @@ class Store:
             self.read_media(uri, expected_hash), max_pixels=self.max_image_pixels, where=uri
         )
 
+    def sync_media(self, uris: Iterable[str]) -> None:
+        """Make the store media at ``uris`` durable (a commit's referenced media; ``put_media``
+        does not fsync). Media under trusted external roots is not ours to sync."""
+        rels = []
+        for uri in uris:
+            backend, rel = self.resolve(uri)
+            if backend is self.backend:
+                rels.append(rel)
+        try:
+            self.backend.sync(rels)
+        except FileNotFoundError as exc:
+            raise MediaNotFoundError(
+                "referenced media vanished before its rows committed", uri=exc.filename
+            ) from None
+
     def media_stat(self, uri: str) -> FileStat | None:
         """Size and timestamp of the media at ``uri``, or None if absent (no hash check)."""
         backend, rel = self.resolve(uri)

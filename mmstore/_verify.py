@@ -130,9 +130,8 @@ def _verify_file(
         check_schema_version(parquet.metadata.metadata, where=path)
         problems: list[Problem] = []
         if checker.check_hashes:
-            _decode_every_page(parquet, path)
-            # Every row checked as the loader checks it.
-            rows = conform(parquet.read(), ROW_COLUMNS, file=path)
+            # Every page decoded, and every row checked as the loader checks it.
+            rows = conform(_decode_every_page(parquet, path), ROW_COLUMNS, file=path)
             problems = _row_problems(store, rows, parquet.metadata.metadata, where)
         columns = read_ref_columns(parquet, file=path)
         with reading(path):  # a file without page checksums may still hold invalid UTF-8
@@ -158,14 +157,19 @@ def _verify_file(
     return problems, refs.num_rows
 
 
-def _decode_every_page(parquet: pq.ParquetFile, path: str) -> None:
+def _decode_every_page(parquet: pq.ParquetFile, path: str) -> pa.Table:
     """Read every page (checking its CRC and value counts) and validate the Arrow data
-    (UTF-8, offsets), row group by row group."""
+    (UTF-8, offsets), row group by row group; the whole file's rows."""
+    tables = []
     for i in range(parquet.metadata.num_row_groups):
         with reading(path):
             table = parquet.read_row_group(i)
             table.validate(full=True)
         check_value_counts(parquet.metadata, i, table, path)
+        tables.append(table)
+    if not tables:
+        return parquet.schema_arrow.empty_table()
+    return pa.concat_tables(tables)
 
 
 def _row_problems(
