@@ -71,6 +71,7 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ],
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
+    "trust": ("benchmarks.bench_trust", []),
     "scan": (
         "benchmarks.bench_scan",
         [

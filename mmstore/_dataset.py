@@ -158,9 +158,8 @@ class RolloutDataset(IterableDataset[Sample]):
                 window=window,
                 shuffle=self.shuffle,
             )
-            rows = table.take(order[[p - lo for p in wanted[i:j]]]).to_pylist()
-            for position, row in zip(wanted[i:j], rows, strict=True):
-                yield position, materializer.sample(row)
+            rows = table.take(order[[p - lo for p in wanted[i:j]]])
+            yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
             i = j
 
     def __iter__(self) -> Iterator[Sample]:

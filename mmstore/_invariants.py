@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ._exceptions import InvalidArgumentError, InvalidRolloutError
+from ._exceptions import ImageSizeError, InvalidArgumentError, InvalidRolloutError
 from ._families import Family, Layout, family_for_layout, layout_for_fingerprint
 from ._models import Rollout
 
@@ -31,61 +31,117 @@ def check_rollout(
     families it knows); the special tokens of every family a row uses are added.
     """
     sid = rollout.sample_id
-    n = len(rollout.tokens)
-    _check_lengths(rollout, n)
-    tokens = np.asarray(rollout.tokens, dtype=np.int64)
-    in_span = np.zeros(n, dtype=bool)
-    placeholder_ids = set(image_token_ids)
+    _check_lengths(rollout, len(rollout.tokens))
+    refs = rollout.images
+
+    def family_of(index: int) -> Family:
+        ref = refs[index]
+        return _family_of(ref.layout_fingerprint, ref.family, layouts, sid, index)
+
+    try:
+        check_spans(
+            np.asarray(rollout.tokens, dtype=np.int64),
+            [r.offset for r in refs],
+            [r.length for r in refs],
+            [r.width for r in refs],
+            [r.height for r in refs],
+            family_of,
+            image_token_ids,
+        )
+    except InvalidRolloutError as exc:
+        raise InvalidRolloutError(exc.message, **{**exc.context, "sample_id": sid}) from None
+
+
+def check_spans(
+    tokens: np.ndarray,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    widths: Sequence[int],
+    heights: Sequence[int],
+    family_of: Callable[[int], Family],
+    image_token_ids: Iterable[int] = (),
+) -> None:
+    """The span rule, shared by the writer and the reader (one home for it).
+
+    Spans are sorted, non-overlapping and inside ``tokens``; each holds exactly its family's
+    expansion of its image's size (``family_of(i)`` gives image ``i``'s family, or raises);
+    no image token of those families (nor ``image_token_ids``) occurs outside a span. Raises
+    :class:`InvalidRolloutError` with the image index at the first violation, images in
+    order; the caller adds where the row came from.
+    """
+    n = len(tokens)
+    special = set(image_token_ids)
+    expansions = []  # what the spans hold: they equal their expansions once checked
     end_of_previous = 0
-    for index, ref in enumerate(rollout.images):
-        if index and ref.offset < rollout.images[index - 1].offset:
+    for index in range(len(offsets)):
+        offset, length = int(offsets[index]), int(lengths[index])
+        span = f"span [{offset}, {offset + length})"
+        if offset < 0 or length <= 0:
+            raise InvalidRolloutError(f"{span} is not a span of tokens", image_index=index)
+        if index and offset < int(offsets[index - 1]):
+            raise InvalidRolloutError("images are not sorted by offset", image_index=index)
+        if offset < end_of_previous:
             raise InvalidRolloutError(
-                "images are not sorted by offset", sample_id=sid, image_index=index
-            )
-        if ref.offset < end_of_previous:
-            raise InvalidRolloutError(
-                f"span [{ref.offset}, {ref.offset + ref.length}) overlaps the previous image "
-                f"ending at {end_of_previous}",
-                sample_id=sid,
+                f"{span} overlaps the previous image ending at {end_of_previous}",
                 image_index=index,
             )
-        if ref.offset + ref.length > n:
+        if offset + length > n:
+            raise InvalidRolloutError(f"{span} is outside the {n} tokens", image_index=index)
+        family = family_of(index)
+        expected = _expansion(family, int(widths[index]), int(heights[index]), index)
+        if length != len(expected):
             raise InvalidRolloutError(
-                f"span [{ref.offset}, {ref.offset + ref.length}) is outside the {n} tokens",
-                sample_id=sid,
+                f"span length {length} != {len(expected)} tokens that {family.family} lays "
+                f"out for a {widths[index]}x{heights[index]} image",
                 image_index=index,
             )
-        family = _family_of(ref.layout_fingerprint, ref.family, layouts, sid, index)
-        expected = family.expansion_array(ref.width, ref.height)
-        if ref.length != len(expected):
-            raise InvalidRolloutError(
-                f"span length {ref.length} != {len(expected)} tokens that {family.family} lays "
-                f"out for a {ref.width}x{ref.height} image",
-                sample_id=sid,
-                image_index=index,
-            )
-        span = tokens[ref.offset : ref.offset + ref.length]
-        wrong = np.flatnonzero(span != expected)
+        wrong = np.flatnonzero(tokens[offset : offset + length] != expected)
         if wrong.size:
-            pos = ref.offset + int(wrong[0])
+            pos = offset + int(wrong[0])
             raise InvalidRolloutError(
                 f"token {int(tokens[pos])} at position {pos} inside the span is not the "
                 f"{family.family} expansion's {int(expected[wrong[0]])}",
-                sample_id=sid,
                 image_index=index,
             )
-        in_span[ref.offset : ref.offset + ref.length] = True
-        placeholder_ids.update(family.special_token_ids)
-        end_of_previous = ref.offset + ref.length
-    if placeholder_ids:
-        stray = np.flatnonzero(~in_span & np.isin(tokens, sorted(placeholder_ids)))
-        if stray.size:
-            pos = int(stray[0])
-            raise InvalidRolloutError(
-                f"image placeholder token {int(tokens[pos])} at position {pos} lies outside "
-                "every image span",
-                sample_id=sid,
-            )
+        special.update(family.special_token_ids)
+        expansions.append(expected)
+        end_of_previous = offset + length
+    if special:
+        ids = sorted(special)
+        inside = sum(_count(e, ids) for e in expansions)
+        _check_no_stray(tokens, offsets, lengths, ids, inside)
+
+
+def _expansion(family: Family, width: int, height: int, index: int) -> np.ndarray:
+    try:
+        return family.expansion_array(width, height)
+    except ImageSizeError as exc:  # e.g. an aspect ratio the family cannot lay out
+        raise InvalidRolloutError(exc.message, image_index=index) from None
+
+
+def _count(tokens: np.ndarray, ids: list[int]) -> int:
+    # A family has one or two special ids: one comparison each beats np.isin's sort 10x.
+    return sum(int(np.count_nonzero(tokens == t)) for t in ids)
+
+
+def _check_no_stray(
+    tokens: np.ndarray,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    ids: list[int],
+    inside: int,
+) -> None:
+    # Counting is enough: every special token must be one the spans account for.
+    if _count(tokens, ids) == inside:
+        return
+    is_special = np.isin(tokens, ids)
+    for offset, length in zip(offsets, lengths, strict=True):
+        is_special[int(offset) : int(offset) + int(length)] = False
+    pos = int(np.flatnonzero(is_special)[0])
+    raise InvalidRolloutError(
+        f"image placeholder token {int(tokens[pos])} at position {pos} lies outside "
+        "every image span"
+    )
 
 
 def _check_lengths(rollout: Rollout, n: int) -> None:

@@ -6,23 +6,24 @@ keyed by (hash, fingerprint), so the samples of a GRPO group process their share
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from ._cache import ByteLRU
 from ._exceptions import (
     InvalidArgumentError,
-    InvalidRolloutError,
     LayoutMismatchError,
     MediaNotFoundError,
     MmstoreError,
 )
-from ._invariants import truncation_point
 from ._models import ImageRef
+from ._rowcheck import CheckedRow, RowWindow, family_checker
+from ._schema import ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:
     from ._families import Family
@@ -93,46 +94,51 @@ class Materializer:
         self.max_len = max_len
         self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
 
+    def samples(self, table: pa.Table) -> Iterator[Sample]:
+        """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
+        each checked first (:mod:`._rowcheck`): a bad row raises when it is reached."""
+        window = RowWindow(
+            table,
+            family_checker(self.adapter),
+            max_pixels=self.store.max_image_pixels,
+            max_len=self.max_len,
+            image_token_ids=self.adapter.special_token_ids,
+        )
+        for i in range(window.num_rows):
+            yield self.checked_sample(window.row(i))
+
     def sample(self, row: dict[str, Any]) -> Sample:
-        sid = row["sample_id"]
-        refs = [ImageRef(**ref) for ref in row["images"]]
-        tokens = row["tokens"]
-        n = len(tokens)
-        kept = len(refs)
-        if self.max_len is not None:
-            n, kept = truncation_point(
-                [r.offset for r in refs], [r.length for r in refs], len(tokens), self.max_len
-            )
-            if n == 0:
-                raise InvalidRolloutError(
-                    f"max_len={self.max_len} cuts inside the first image; nothing would remain",
-                    sample_id=sid,
-                    image_index=0,
-                )
+        """One row given as a dict of Python values (the same checks as :meth:`samples`)."""
+        table = pa.Table.from_pylist([row], schema=ROLLOUT_SCHEMA.remove_metadata())
+        return next(self.samples(table))
+
+    def checked_sample(self, row: CheckedRow) -> Sample:
+        """A row that passed the reader's checks -> tensors, images materialized."""
+        n = len(row.tokens)
         image_mask = torch.zeros(n, dtype=torch.bool)
         sample = Sample(
-            sample_id=sid,
-            group_id=row["group_id"],
-            input_ids=torch.tensor(tokens[:n], dtype=torch.int64),
-            loss_mask=torch.tensor(row["loss_mask"][:n], dtype=torch.bool),
+            sample_id=row.sample_id,
+            group_id=row.group_id,
+            input_ids=torch.from_numpy(row.tokens.astype(np.int64)),
+            loss_mask=torch.from_numpy(row.loss_mask.copy()),
             image_mask=image_mask,
-            logprobs=None
-            if row["logprobs"] is None
-            else torch.tensor(row["logprobs"][:n], dtype=torch.float32),
-            prompt_len=min(row["prompt_len"], n),
-            reward=math.nan if row["reward"] is None else row["reward"],
-            advantage=math.nan if row["advantage"] is None else row["advantage"],
+            logprobs=None if row.logprobs is None else torch.from_numpy(row.logprobs.copy()),
+            prompt_len=row.prompt_len,
+            reward=row.reward,
+            advantage=row.advantage,
         )
-        for index, ref in enumerate(refs[:kept]):
+        for index, ref in enumerate(row.images):
             image_mask[ref.offset : ref.offset + ref.length] = True
-            sample.images.append(self.image(ref, sid, index, sample))
+            where = {**row.where, "image_index": index}
+            sample.images.append(self.image(ref, where, sample))
         if sample.missing_uris:
             sample.loss_mask.zero_()
         return sample
 
-    def image(self, ref: ImageRef, sid: str, index: int, sample: Sample) -> dict[str, torch.Tensor]:
+    def image(
+        self, ref: ImageRef, where: dict[str, Any], sample: Sample
+    ) -> dict[str, torch.Tensor]:
         """One image's tensors (floats in the train dtype), from cache or the processor."""
-        where = {"sample_id": sid, "image_index": index}
         if ref.layout_fingerprint != self.adapter.fingerprint:
             raise LayoutMismatchError(
                 f"ref laid out by {ref.layout_fingerprint}, processor is "
@@ -140,6 +146,7 @@ class Materializer:
                 uri=ref.uri,
                 **where,
             )
+        self.check_trust(ref, where)
         key = (ref.hash, self.adapter.fingerprint)
         cached = self.cache.get(key)
         if cached is not None:
@@ -154,10 +161,23 @@ class Materializer:
         except MmstoreError as exc:
             raise with_context(exc, **where) from None
         outputs = cast_floats(self.adapter.process([image]), self.dtype)
-        self.adapter.check_output(outputs, ref, sample_id=sid, image_index=index)
+        try:
+            self.adapter.check_output(
+                outputs, ref, sample_id=where.get("sample_id"), image_index=where["image_index"]
+            )
+        except MmstoreError as exc:
+            raise with_context(exc, **where) from None
         nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
         self.cache.put(key, outputs, nbytes)
         return outputs
+
+    def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
+        """Refuse an untrusted URI, hit or miss: cached pixels must not serve a URI nobody
+        trusts (a row may pair a known hash with any URI)."""
+        try:
+            self.store.resolve(ref.uri)
+        except MmstoreError as exc:
+            raise with_context(exc, **where) from None
 
     def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.

@@ -33,6 +33,10 @@ FORMAT_EXTENSIONS = {
     "TIFF": ("tiff", "tif"),
 }
 EXTENSIONS = {ext for exts in FORMAT_EXTENSIONS.values() for ext in exts}
+# The only decoders Pillow may try, on put and on read: a stored file of any other format
+# (PPM, TGA, DDS, EPS which runs Ghostscript, ...) is refused, never handed to its decoder.
+# MPO has no opener of its own: Pillow's JPEG opener returns MPO files as such.
+FORMATS = tuple(f for f in FORMAT_EXTENSIONS if f != "MPO")
 
 
 def content_hash(data: bytes | memoryview) -> str:
@@ -71,7 +75,7 @@ def probe(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as im:
                 fmt, (width, height) = im.format or "", im.size
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None
@@ -97,7 +101,7 @@ def decode_rgb(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
             image.load()
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from ._exceptions import CorruptFileError
 from ._refscan import distinct_leaf, open_rollout_file, partition_of, select_files
+from ._rowcheck import FILE_COLUMN, conform
 from ._schema import META_LAYOUTS, check_schema_version
 
 if TYPE_CHECKING:
@@ -127,12 +128,17 @@ def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]
 
 
 def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
-    """The rows of ``units``, in order, as one table (only the loader's columns)."""
+    """The rows of ``units``, in order, as one table: the loader's columns cast to the v1
+    types (or :class:`CorruptFileError` naming the file), and ``_file``, each row's file."""
     tables = []
     handles: dict[str, Any] = {}
     for unit in units:
         handle = handles.get(unit.file) or handles.setdefault(
             unit.file, open_rollout_file(store, unit.file)
         )
-        tables.append(handle.read_row_group(unit.row_group, columns=ROW_COLUMNS))
+        table = conform(
+            handle.read_row_group(unit.row_group, columns=ROW_COLUMNS), ROW_COLUMNS, file=unit.file
+        )
+        files = pa.array([unit.file] * table.num_rows, pa.string())
+        tables.append(table.append_column(FILE_COLUMN, files))
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})

@@ -5,12 +5,15 @@ refs are flattened with Arrow, checked once per distinct media, and only refs th
 turned into Python problems (by a join back onto the flattened refs).
 
 ``check_hashes=False`` is the metadata mode: footers, the ref leaf columns, one listing of
-``media/`` and sizes against ``nbytes``; no media bytes are read. With ``check_hashes=True``
-every row is decoded and every distinct media file is read and hashed.
+``media/`` and sizes against ``nbytes``; no media bytes are read and rows are not checked.
+With ``check_hashes=True`` (the default) every row is decoded and checked as the loader
+checks it (spans against tokens, lengths, fields; see :func:`_row_problems` for what verify
+can and cannot know without a processor), and every distinct media file is read and hashed.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -19,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ._exceptions import MmstoreError, SchemaVersionError, UntrustedURIError
+from ._exceptions import (
+    InvalidRolloutError,
+    MmstoreError,
+    SchemaVersionError,
+    UntrustedURIError,
+)
+from ._families import Family, family_for_layout, layout_for_fingerprint, layout_from_record
 from ._media import content_hash
 from ._pins import read_pins
 from ._progress import bar
@@ -31,7 +40,9 @@ from ._refscan import (
     open_rollout_file,
     read_ref_columns,
 )
-from ._schema import check_schema_version
+from ._rowcheck import RowWindow, conform
+from ._scan import ROW_COLUMNS
+from ._schema import META_LAYOUTS, check_schema_version
 from ._store import MEDIA, PINS
 
 if TYPE_CHECKING:
@@ -45,6 +56,7 @@ PROBLEM_KINDS = (
     "hash_mismatch",
     "untrusted_uri",
     "invalid_row",
+    "unknown_layout",
 )
 HASH_THREADS = 8
 
@@ -113,8 +125,11 @@ def _verify_file(
     try:
         parquet = open_rollout_file(store, path)
         check_schema_version(parquet.metadata.metadata, where=path)
+        problems: list[Problem] = []
         if checker.check_hashes:
-            parquet.read()  # decode every page, not only the ref columns
+            # Every page decoded, and every row checked as the loader checks it.
+            rows = conform(parquet.read(), ROW_COLUMNS, file=path)
+            problems = _row_problems(store, rows, parquet.metadata.metadata, where)
         columns = read_ref_columns(parquet, file=path)
     except SchemaVersionError as exc:
         return [Problem("schema_version", exc.message, **where)], 0
@@ -122,7 +137,7 @@ def _verify_file(
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         return [Problem("unreadable_file", message, **where)], 0
     refs = flatten_refs(columns)
-    problems = _duplicate_samples(columns.column("sample_id").to_pylist(), seen_samples, where)
+    problems += _duplicate_samples(columns.column("sample_id").to_pylist(), seen_samples, where)
     distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
     keys = list(
         zip(*(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")), strict=True)
@@ -132,6 +147,82 @@ def _verify_file(
     if bad:
         problems += _ref_problems(refs, bad, where)
     return problems, refs.num_rows
+
+
+def _row_problems(
+    store: Store, rows: pa.Table, footer: dict[bytes, bytes] | None, where: dict[str, Any]
+) -> list[Problem]:
+    """The loader's row checks (:mod:`._rowcheck`) on every row of one file.
+
+    verify has no processor: a ref's family comes from the layout record in the file's
+    footer when that record hashes to the ref's fingerprint, else from a layout built in
+    this process (``mmstore.adapter_for``). A fingerprint neither knows is reported as
+    ``unknown_layout``: its spans cannot be checked here, and the loader refuses it unless
+    its processor has exactly that layout. Token ids come from the footer record (the
+    writer's tokenizer) or the family's published ids: verify cannot know the tokenizer a
+    trainer will use, so the loader checks again with its own.
+    """
+    families = _footer_families(footer)
+    window = RowWindow(
+        rows,
+        lambda fp, name: _family_for(families, fp, name),
+        max_pixels=store.max_image_pixels,
+        image_token_ids=sorted({t for f in families.values() for t in f.special_token_ids}),
+        file=where["file"],
+    )
+    problems = []
+    for i in range(window.num_rows):
+        try:
+            window.check(i)
+        except MmstoreError as exc:
+            kind = "unknown_layout" if isinstance(exc, _UnknownLayout) else "invalid_row"
+            context = {k: v for k, v in exc.context.items() if k in _PROBLEM_CONTEXT}
+            problems.append(Problem(kind, exc.message, **{**where, **context}))
+    return problems
+
+
+_PROBLEM_CONTEXT = ("sample_id", "image_index")
+
+
+class _UnknownLayout(InvalidRolloutError):
+    """A fingerprint that neither the footer nor this process can lay out."""
+
+
+def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
+    """Fingerprint -> Family, from the footer's layout records that hash to their key."""
+    try:
+        records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
+    except ValueError:
+        return {}
+    if not isinstance(records, dict):
+        return {}
+    families = {}
+    for fingerprint, record in records.items():
+        try:
+            layout = layout_from_record(record)
+            hash(layout)  # forged parameter values may be lists or dicts
+        except (MmstoreError, TypeError, ValueError):
+            continue  # an unknown family or a forged record: not evidence of anything
+        if layout.fingerprint == fingerprint:
+            families[fingerprint] = family_for_layout(layout)
+    return families
+
+
+def _family_for(families: dict[str, Family], fingerprint: str, name: str) -> Family:
+    family = families.get(fingerprint)
+    if family is None:
+        layout = layout_for_fingerprint(fingerprint)
+        if layout is None:
+            raise _UnknownLayout(
+                f"layout fingerprint {fingerprint!r} is in neither the file's footer nor this "
+                "process: its spans cannot be checked without the processor"
+            )
+        family = families[fingerprint] = family_for_layout(layout)
+    if family.family != name:
+        raise InvalidRolloutError(
+            f"ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
+        )
+    return family
 
 
 def _duplicate_samples(

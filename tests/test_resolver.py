@@ -256,3 +256,37 @@ def test_unexpected_failure_is_answered_not_raised(store, small_processor, refs,
     refused(result, 0, "internal_error")
     assert "GPU fell off" in result["detail"]
     assert "failed unexpectedly" in caplog.text
+
+
+def test_request_over_the_pixel_budget_is_refused_before_any_decode(store, qwen2_processor):
+    # 64 refs to one 1080p screenshot: 16 KB of text asking for ~3 GB of float32 pixels.
+    media = store.put_image(photo(5, 1920, 1080))
+    adapter = mmstore.adapter_for(qwen2_processor)
+    _, refs = adapter.expand([adapter.image_token_id], [media])
+    resolver = RefResolver(store, qwen2_processor)
+    resolver.adapter.image_processor = CountingProxy(resolver.adapter.image_processor)
+    result = resolver.resolve([wire.encode(refs[0])] * 64)
+    refused(result, result["index"], "request_too_large")
+    assert resolver.adapter.image_processor.calls == 0
+    assert resolver.stats()["misses"] == 0
+    small = RefResolver(store, qwen2_processor, max_request_bytes=2**20)
+    refused(small.resolve([wire.encode(refs[0])]), 0, "request_too_large")
+    ok(resolver.resolve([wire.encode(refs[0])] * 2))
+
+
+def test_a_ref_above_the_pixel_limit_is_refused_unread(store, small_processor, refs):
+    huge = refs[0].model_copy(update={"width": 100_000, "height": 100_000})
+    result = RefResolver(store, small_processor).resolve([wire.encode(huge)])
+    refused(result, 0, "image_too_large")
+
+
+def test_memory_error_never_escapes_resolve(store, small_processor, refs):
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    resolver = RefResolver(store, small_processor)
+    resolver.adapter.collate_images = exhausted
+    refused(resolver.resolve([wire.encode(refs[0])]), None, "out_of_memory")
+    resolver = RefResolver(store, small_processor)
+    resolver.adapter.image_processor = exhausted
+    refused(resolver.resolve([wire.encode(refs[0])]), 0, "out_of_memory")

@@ -1,0 +1,386 @@
+"""The reader trusts nothing it did not check (issue 13, reader side).
+
+Rows here are forged: written through plain pyarrow, as another engine, a copy or a rotting
+disk would leave them, never through mmstore's writer (which would refuse them).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tracemalloc
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import mmstore
+from mmstore._schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
+from mmstore._synth import photo
+
+IMG = 151655  # Qwen-VL's image token
+IMG_SIZE = (56, 56)  # 4 tokens in the small test layout
+
+
+@pytest.fixture
+def media(store):
+    return [store.put_image(photo(seed, *IMG_SIZE)) for seed in range(2)]
+
+
+def make_row(adapter, media, sample_id="s0", n_images=1):
+    """A valid row as a dict of Python values: text, images, text."""
+    ids = [7, *([adapter.image_token_id, 8] * n_images), 9]
+    tokens, refs = adapter.expand(ids, media[:n_images])
+    return {
+        "sample_id": sample_id,
+        "group_id": "g",
+        "tokens": tokens,
+        "prompt_len": len(tokens) - 1,
+        "loss_mask": [False] * (len(tokens) - 1) + [True],
+        "logprobs": [-0.5] * len(tokens),
+        "reward": 1.0,
+        "advantage": 0.5,
+        "images": [ref.model_dump() for ref in refs],
+        "metadata": None,
+    }
+
+
+def forge(store, adapter, rows, *, schema=ROLLOUT_SCHEMA, run="forged", step=0):
+    """Commit ``rows`` as one file written by plain pyarrow; its store-relative path."""
+    path = f"rollouts/run_id={run}/step={step}/part-{uuid.uuid4().hex}-00000.parquet"
+    table = pa.Table.from_pylist(rows, schema=schema)
+    layouts = {adapter.fingerprint: adapter.layout.params()}
+    table = table.replace_schema_metadata(
+        {META_SCHEMA_VERSION: b"1", META_LAYOUTS: json.dumps(layouts).encode()}
+    )
+    target = store.backend.abspath(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    pq.write_table(table, target)
+    return path
+
+
+def load(store, processor, **kwargs):
+    ds = mmstore.RolloutDataset(store, processor, shuffle=False, **kwargs)
+    return list(mmstore.RolloutLoader(ds, batch_size=4))
+
+
+def refused(store, processor, path, error=mmstore.InvalidRolloutError, **kwargs):
+    with pytest.raises(error) as info:
+        load(store, processor, **kwargs)
+    ctx = info.value.context
+    assert ctx["file"] == path and ctx["run_id"] == "forged" and ctx["step"] == 0
+    return info.value
+
+
+def verify_kinds(store):
+    report = mmstore.verify(store)
+    return {(p.kind, p.sample_id, p.image_index) for p in report.problems}
+
+
+# --- item 1: spans that do not match their tokens ------------------------------------------
+
+
+def _shift(row):
+    row["images"][0]["offset"] += 1  # onto the text token after the span
+
+
+def _past_end(row):
+    row["images"][-1]["offset"] = len(row["tokens"]) - 2
+
+
+def _over_text(row):
+    row["tokens"][row["images"][0]["offset"]] = 8
+
+
+def _stray(row):
+    row["tokens"][0] = IMG  # the image token, outside every span
+
+
+def _twice(row):
+    row["images"] = [row["images"][0], row["images"][0]]
+
+
+def _other_size(row):
+    row["images"][0]["width"] = row["images"][0]["height"] = 560
+
+
+SPAN_DAMAGE = {
+    "shifted": (_shift, 0),
+    "past_the_end": (_past_end, 1),
+    "over_text": (_over_text, 0),
+    "stray_placeholder": (_stray, None),
+    "same_ref_twice": (_twice, 1),
+    "size_not_the_span": (_other_size, 0),
+}
+
+
+@pytest.mark.parametrize("damage", SPAN_DAMAGE)
+def test_forged_spans_are_refused_by_loader_and_reported_by_verify(
+    store, small_processor, adapter, media, damage
+):
+    fn, index = SPAN_DAMAGE[damage]
+    good = make_row(adapter, media, "ok", n_images=2)
+    bad = make_row(adapter, media, "bad", n_images=2)
+    fn(bad)
+    path = forge(store, adapter, [good, bad])
+    err = refused(store, small_processor, path)
+    assert err.sample_id == "bad" and err.context.get("image_index") == index
+    assert verify_kinds(store) == {("invalid_row", "bad", index)}
+
+
+# --- item 2: placeholders agree with their span, sizes are bounded ---------------------------
+
+
+def test_placeholder_sizes_come_only_from_checked_refs(tmp_path, small_processor, adapter, media):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    huge = make_row(adapter, media, "huge")
+    huge["images"][0].update(width=100_000, height=100_000, uri="media/00/00/" + "0" * 32 + ".png")
+    liar = make_row(adapter, media, "liar")
+    liar["images"][0].update(width=1000, height=1000, uri="media/00/00/" + "1" * 32 + ".png")
+    for row, match in ((huge, "exceeds the store's limit"), (liar, "span length")):
+        path = forge(store, adapter, [row])
+        with pytest.raises(mmstore.InvalidRolloutError, match=match) as info:
+            load(store, small_processor, missing="placeholder_zero_loss")
+        assert info.value.file == path and info.value.sample_id == row["sample_id"]
+        store.backend.delete(path)
+
+
+# --- item 3: malformed rows and compatible types -------------------------------------------
+
+
+def _negative_offset(row):
+    row["images"][0]["offset"] = -3
+
+
+def _hash_not_hex(row):
+    row["images"][0]["hash"] = "Z" * 32
+
+
+def _short_mask(row):
+    row["loss_mask"] = row["loss_mask"][:-2]
+
+
+def _short_logprobs(row):
+    row["logprobs"] = row["logprobs"][:-1]
+
+
+def _prompt_len(row):
+    row["prompt_len"] = -1
+
+
+MALFORMED = {
+    "negative_offset": (_negative_offset, 0),
+    "hash_not_hex": (_hash_not_hex, 0),
+    "short_loss_mask": (_short_mask, None),
+    "short_logprobs": (_short_logprobs, None),
+    "negative_prompt_len": (_prompt_len, None),
+}
+
+
+@pytest.mark.parametrize("damage", MALFORMED)
+def test_malformed_rows_are_typed_errors_naming_file_and_sample(
+    store, small_processor, adapter, media, damage
+):
+    fn, index = MALFORMED[damage]
+    bad = make_row(adapter, media, "bad")
+    fn(bad)
+    path = forge(store, adapter, [make_row(adapter, media, "ok"), bad])
+    err = refused(store, small_processor, path)
+    assert err.sample_id == "bad" and err.context.get("image_index") == index
+    assert ("invalid_row", "bad", index) in verify_kinds(store)
+
+
+def _schema_with(tokens_type):
+    fields = [pa.field(f.name, tokens_type) if f.name == "tokens" else f for f in ROLLOUT_SCHEMA]
+    return pa.schema(fields)
+
+
+def test_int64_tokens_read_as_the_v1_schema(store, small_processor, adapter, media):
+    rows = [make_row(adapter, media, f"s{i}", n_images=2) for i in range(4)]
+    forge(store, adapter, rows)
+    expected = load(store, small_processor)
+    forge(store, adapter, rows, schema=_schema_with(pa.list_(pa.int64())), run="wide")
+    narrow, wide = load(store, small_processor)  # one window over both files
+    for key in ("input_ids", "pixel_values", "loss_mask", "mm_token_type_ids"):
+        assert torch.equal(wide[key], expected[0][key])
+        assert torch.equal(narrow[key], expected[0][key])
+    assert mmstore.verify(store).ok
+
+
+def test_int64_tokens_out_of_int32_range_are_refused_naming_the_file(
+    store, small_processor, adapter, media
+):
+    row = make_row(adapter, media)
+    row["tokens"][0] = 2**40
+    path = forge(store, adapter, [row], schema=_schema_with(pa.list_(pa.int64())))
+    err = refused(store, small_processor, path, error=mmstore.CorruptFileError)
+    assert "tokens" in err.message
+    assert {p.kind for p in mmstore.verify(store).problems} == {"unreadable_file"}
+
+
+# --- item 4: bounded work per row ----------------------------------------------------------
+
+
+def _long_row(adapter, media, n):
+    row = make_row(adapter, media, "long")
+    tail = (np.arange(n) % 50_000 + 1000).tolist()  # distinct ints: no small-int cache
+    row["tokens"] += tail
+    row["loss_mask"] += [True] * n
+    row["logprobs"] = None
+    return row
+
+
+def test_a_huge_row_costs_no_python_lists_with_max_len(store, small_processor, adapter, media):
+    forge(store, adapter, [_long_row(adapter, media, 3_000_000)])
+    ds = mmstore.RolloutDataset(store, small_processor, shuffle=False, max_len=32)
+    tracemalloc.start()
+    try:
+        batches = list(mmstore.RolloutLoader(ds, batch_size=1))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert batches[0]["input_ids"].shape == (1, 32)
+    # As Python lists the row's tokens alone would be ~120 MB; numpy views cost nothing.
+    assert peak < 40 * 2**20, peak
+
+
+def test_a_row_above_the_hard_cap_is_refused(store, small_processor, adapter, media, monkeypatch):
+    from mmstore import _rowcheck
+
+    monkeypatch.setattr(_rowcheck, "MAX_ROW_TOKENS", 1000)
+    path = forge(store, adapter, [_long_row(adapter, media, 2000)])
+    err = refused(store, small_processor, path, max_len=64)
+    assert "exceed" in err.message and err.sample_id == "long"
+
+
+# --- item 5: only the formats put accepts are decoded --------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["PPM", "TGA", "PCX", "SGI"])
+def test_read_path_decodes_only_put_formats(store, fmt):
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(buf, format=fmt)
+    data = buf.getvalue()
+    digest = mmstore._media.content_hash(data)
+    uri = mmstore._media.media_path(digest, "png")
+    target = store.backend.abspath(uri)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "wb") as f:
+        f.write(data)
+    with pytest.raises(mmstore.ImageDecodeError):
+        store.open_image(uri, digest)
+    with pytest.raises(mmstore.ImageDecodeError):
+        store.put_media(data, ext="png")
+
+
+# --- item 15: trust is checked on cache hits too -------------------------------------------
+
+
+def test_cache_hit_still_checks_the_uri(store, small_processor, adapter, media):
+    good = make_row(adapter, media, "a")
+    evil = make_row(adapter, media, "b")
+    evil["images"][0]["uri"] = "https://evil.example/x.png"  # same hash: a cache hit
+    path = forge(store, adapter, [good, evil])
+    err = refused(store, small_processor, path, error=mmstore.UntrustedURIError)
+    assert err.sample_id == "b" and err.image_index == 0
+
+
+# --- property: whatever the corruption, batches agree or a typed error names the file -------
+
+INTS = st.one_of(st.integers(-3, 300), st.sampled_from([0, 2**31 - 1, -(2**31), 100_000]))
+
+
+@st.composite
+def corruptions(draw):
+    """A list of (operation, arguments) applied in order to a file's rows."""
+    ops = st.one_of(
+        st.tuples(
+            st.just("ref_int"), st.sampled_from(["offset", "length", "width", "height"]), INTS
+        ),
+        st.tuples(st.just("token"), st.integers(0, 40), st.sampled_from([IMG, 7, 8, -1])),
+        st.tuples(st.just("insert"), st.integers(0, 40), st.sampled_from([IMG, 7])),
+        st.tuples(st.just("delete"), st.integers(0, 40)),
+        st.tuples(st.just("shorten"), st.sampled_from(["loss_mask", "logprobs"])),
+        st.tuples(st.just("refs"), st.sampled_from(["dup", "drop", "swap", "reverse"])),
+        st.tuples(st.just("hash"), st.text("0123456789abcdefXYZ", min_size=0, max_size=33)),
+        st.tuples(st.just("uri"), st.sampled_from(["https://x/y.png", "media/../x.png", "/etc/x"])),
+        st.tuples(st.just("prompt_len"), INTS),
+        st.tuples(st.just("family"), st.sampled_from(["glm4v", ""])),
+    )
+    return draw(st.lists(st.tuples(st.integers(0, 2), ops), min_size=1, max_size=4))
+
+
+def _corrupt(rows, row_index, op):
+    row = rows[row_index]
+    kind, *args = op
+    refs = row["images"]
+    if kind == "ref_int" and refs:
+        refs[0][args[0]] = args[1]
+    elif kind == "token" and row["tokens"]:
+        row["tokens"][args[0] % len(row["tokens"])] = args[1]
+    elif kind in ("insert", "delete"):
+        pos = args[0] % (len(row["tokens"]) + 1)
+        if kind == "insert":
+            for name, value in (("tokens", args[1]), ("loss_mask", True), ("logprobs", 0.0)):
+                row[name].insert(pos, value)
+        elif pos < len(row["tokens"]):
+            for name in ("tokens", "loss_mask", "logprobs"):
+                del row[name][pos]
+    elif kind == "shorten" and row[args[0]]:
+        row[args[0]].pop()
+    elif kind == "refs" and refs:
+        how = args[0]
+        row["images"] = {
+            "dup": refs + refs[-1:],
+            "drop": refs[1:],
+            "swap": refs[1:2] + refs[:1] + refs[2:],
+            "reverse": refs[::-1],
+        }[how]
+    elif kind in ("hash", "uri", "family") and refs:
+        refs[-1][kind] = args[0]
+    elif kind == "prompt_len":
+        row["prompt_len"] = args[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    corruptions(),
+    st.booleans(),
+    st.sampled_from([None, 6, 11]),
+    st.sampled_from(["error", "placeholder_zero_loss"]),
+)
+def test_corrupt_rows_give_consistent_batches_or_a_typed_error(
+    tmp_path_factory, small_processor, adapter, damage, wide, max_len, missing
+):
+    store = mmstore.Store.open(tmp_path_factory.mktemp("fuzz") / "s", create=True)
+    media = [store.put_image(photo(seed, *IMG_SIZE)) for seed in range(2)]
+    rows = [make_row(adapter, media, f"s{i}", n_images=i) for i in range(3)]
+    for row_index, op in damage:
+        _corrupt(rows, row_index, op)
+    schema = _schema_with(pa.list_(pa.int64())) if wide else ROLLOUT_SCHEMA
+    try:
+        path = forge(store, adapter, rows, schema=schema)
+    except (pa.ArrowException, OverflowError) as exc:
+        event(f"unwritable: {type(exc).__name__} {str(exc)[:60]}")
+        return  # not even pyarrow writes this row
+    try:
+        batches = load(store, small_processor, max_len=max_len, missing=missing)
+    except mmstore.MmstoreError as exc:
+        event(f"refused: {type(exc).__name__}")
+        assert exc.context.get("file") == path, exc
+        return
+    event("read")
+    merge = small_processor.merge_size**2
+    for batch in batches:
+        ids, grid = batch["input_ids"], batch["image_grid_thw"]
+        image_tokens = int((ids == IMG).sum())
+        assert image_tokens == int(grid.prod(dim=1).sum()) // merge
+        assert batch["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
+        assert torch.equal(batch["mm_token_type_ids"].bool(), ids == IMG)
