@@ -6,6 +6,7 @@ from . import debug, synth, wire
 from ._exceptions import (
     CorruptFileError,
     DecompressionBombError,
+    DeleteFailedError,
     DestinationExistsError,
     HashMismatchError,
     ImageDecodeError,
@@ -60,6 +61,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CorruptFileError",
+    "DeleteFailedError",
     "DestinationExistsError",
     "InvalidArgumentError",
     "NoMatchError",

@@ -12,6 +12,8 @@ the object visible only once it is complete.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import shutil
 import stat
@@ -21,6 +23,8 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+
+from ._exceptions import HashMismatchError
 
 STAGING = "_staging"
 
@@ -56,7 +60,9 @@ class LocalBackend:
         return os.path.join(self.base, *rel.split("/")) if rel else self.base
 
     def read(self, rel: str) -> bytes:
-        with open(self.abspath(rel), "rb") as f:
+        """The file's bytes. Anything but a regular file (a FIFO, a device, a directory)
+        raises :class:`NotAFileError` without blocking."""
+        with _open_regular(self.abspath(rel)) as f:
             return f.read()
 
     def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool:
@@ -80,11 +86,38 @@ class LocalBackend:
         return True
 
     def put_content(self, rel: str, data: bytes) -> None:
-        """Store immutable (content-addressed) bytes once; if present, renew the timestamp."""
-        if self._renew(rel):
+        """Store immutable (content-addressed) bytes once; if present, renew the timestamp.
+
+        Bytes already at ``rel`` are compared with ``data`` first: a damaged file (bit rot, a
+        truncated copy) is replaced atomically with the good bytes, so rows committed after
+        this put never point at bytes that fail their hash. Why compare every time: a dedup
+        hit reads a file that ``data`` (the same size) already sits next to in memory, so the
+        check costs one read from the page cache and a memcmp, small next to the probe and
+        hash every put already does; a size check alone would miss a flipped bit.
+        """
+        if self._holds(rel, data) and self._renew(rel):
             return
-        if not self.write_atomic(rel, data, replace=False):
-            self._renew(rel)  # a concurrent writer linked the same bytes first
+        if self.write_atomic(rel, data, replace=False):
+            return
+        # Present after all: a concurrent put linked the same bytes first, or it is damaged.
+        if self._holds(rel, data) and self._renew(rel):
+            return
+        try:
+            self.write_atomic(rel, data, replace=True)
+        except IsADirectoryError:
+            raise HashMismatchError(
+                "a directory sits where these bytes belong; remove it", uri=rel
+            ) from None
+
+    def _holds(self, rel: str, data: bytes) -> bool:
+        """True if a regular file with exactly ``data`` is at ``rel``."""
+        try:
+            with _open_regular(self.abspath(rel)) as f:
+                if os.fstat(f.fileno()).st_size != len(data):
+                    return False
+                return f.read(len(data) + 1) == data
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def _renew(self, rel: str) -> bool:
         try:
@@ -98,10 +131,16 @@ class LocalBackend:
         staging = self.abspath(STAGING)
         os.makedirs(staging, exist_ok=True)
         tmp = os.path.join(staging, f"{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            # Disk full, file too large, I/O error: leave no torn file behind.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         return tmp
 
     def stat(self, rel: str) -> FileStat | None:
@@ -121,6 +160,8 @@ class LocalBackend:
                 try:
                     st = os.stat(full)
                 except FileNotFoundError:  # removed while we walked
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO or device is nobody's file
                     continue
                 out.append(
                     FileStat(
@@ -148,6 +189,28 @@ class LocalBackend:
         """True if ``path`` (after symlinks) lies inside the store root."""
         real = os.path.realpath(path)
         return real == self.base or real.startswith(self.base + os.sep)
+
+
+class NotAFileError(FileNotFoundError):
+    """Something other than a regular file (FIFO, device, directory) where a file should be;
+    it reads as absent."""
+
+
+def _open_regular(path: str) -> io.BufferedReader:
+    """``open(path, "rb")`` that never blocks and only opens regular files.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer; the
+    ``fstat`` of what was opened (not a ``stat`` of the name, which could be swapped in
+    between) decides whether it is a regular file, whose reads ignore the flag.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFileError(errno.ENOENT, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _fsync_dir(path: str) -> None:

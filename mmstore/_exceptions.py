@@ -15,6 +15,7 @@
     ├── CorruptFileError           (ValueError)      a committed rollout or pin file that won't read
     ├── NoMatchError               (LookupError)     nothing matches a selection, id or name
     ├── DestinationExistsError     (FileExistsError) an export into a location holding data
+    ├── DeleteFailedError          (OSError)         files a release could not delete
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
     └── MediaError                                   media bytes cannot be served as requested
@@ -101,6 +102,10 @@ class NoMatchError(MmstoreError, LookupError):
 
 class DestinationExistsError(MmstoreError, FileExistsError):
     """An export destination that already holds a store or other files."""
+
+
+class DeleteFailedError(MmstoreError, OSError):
+    """Files that could not be deleted (permissions, immutable, busy); they stay committed."""
 
 
 class ImageDecodeError(MmstoreError, ValueError):

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._backends import STAGING, FileStat, LocalBackend
-from ._exceptions import InvalidArgumentError
+from ._exceptions import DeleteFailedError, InvalidArgumentError
 from ._pins import pinned_hashes
 from ._refscan import media_hash, referenced_hashes, select_files
 from ._store import MEDIA, ROLLOUTS
@@ -102,15 +102,39 @@ def release_run(
     """Remove run ``run_id``'s rollout partitions, then gc: media still referenced by other
     runs or pins stays. A dry run removes nothing and reports what a real one would.
 
-    A run the store does not hold raises :class:`NoMatchError` naming the runs it does."""
+    A run the store does not hold raises :class:`NoMatchError` naming the runs it does.
+    Raises :class:`DeleteFailedError` naming the files that survived their delete
+    (permissions, immutable, busy), before any gc: they stay committed and visible, and
+    their media is never swept. Removing what blocks them and calling it again finishes.
+    """
     check_partition(run_id, 0)
     run_dir = f"{ROLLOUTS}/run_id={run_id}"
     # Raises NoMatchError naming the runs there are: releasing a typo must not look done.
     files = [f.path for f in select_files(store, runs=[run_id])]
-    if not dry_run:
+    if dry_run:
+        report = _collect(store, grace_seconds, True, None, ignore_files=frozenset(files))
+        return ReleaseReport(run_id=run_id, removed_files=files, gc=report, dry_run=True)
+    for path in files:
+        with contextlib.suppress(OSError):  # what survives is found by listing again
+            store.backend.delete(path)
+    with contextlib.suppress(OSError):  # empty partition directories, staging debris
         store.backend.delete_tree(run_dir)
-    report = _collect(store, grace_seconds, dry_run, None, ignore_files=frozenset(files))
-    return ReleaseReport(run_id=run_id, removed_files=files, gc=report, dry_run=dry_run)
+    # Trust the listing, not the deletes: a file still listed is still committed.
+    survivors = _run_files(store, run_dir)
+    if survivors:
+        raise DeleteFailedError(
+            f"{len(survivors)} of {len(files)} rollout files of run {run_id!r} could not be "
+            "deleted; they stay committed, and no media was collected",
+            run_id=run_id,
+            files=survivors,
+        )
+    # gc lists the committed files itself, so anything (re)committed meanwhile keeps its media.
+    report = _collect(store, grace_seconds, False, None, ignore_files=frozenset())
+    return ReleaseReport(run_id=run_id, removed_files=files, gc=report, dry_run=False)
+
+
+def _run_files(store: Store, run_dir: str) -> list[str]:
+    return [f.path for f in store.rollout_files() if f.path.startswith(run_dir + "/")]
 
 
 def _collect(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ._backends import NotAFileError
 from ._exceptions import NotAStoreError, SchemaVersionError
 from ._media import HASH_ALGORITHM
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 MANIFEST = "mmstore.json"
+# A real manifest is a few hundred bytes; anything far larger is not one.
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 class Manifest(BaseModel):
@@ -54,14 +57,22 @@ def create_manifest(backend: Backend, root: str) -> dict[str, Any]:
 
 
 def read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:
-    """The manifest as a JSON object, or None where there is none."""
+    """The manifest as a JSON object, None where there is none; NotAStoreError for anything
+    that is not a small JSON object (a directory, a FIFO, megabytes or deep nesting)."""
+    found = backend.stat(MANIFEST)
+    if found is not None and found.size > MAX_MANIFEST_BYTES:
+        raise NotAStoreError(
+            f"{MANIFEST} at {root!r} is {found.size} bytes, not a manifest", root=root
+        )
     try:
         raw = backend.read(MANIFEST)
+    except NotAFileError:
+        raise NotAStoreError(f"{MANIFEST} at {root!r} is not a regular file", root=root) from None
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         manifest = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise NotAStoreError(f"{MANIFEST} at {root!r} is not JSON", root=root) from None
     if not isinstance(manifest, dict):
         raise NotAStoreError(f"{MANIFEST} at {root!r} is not a JSON object", root=root)

@@ -96,7 +96,7 @@ def read_pins(store: Store) -> dict[str, set[str]]:
             doc = json.loads(store.backend.read(stat.path))
         except FileNotFoundError:  # unpinned while we listed
             continue
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: forged, deeply nested JSON
             raise CorruptFileError("pin file is not JSON", file=stat.path) from None
         pins[name] = _pin_hashes(doc, stat.path)
     return pins

@@ -8,14 +8,18 @@ column would silently read nothing, which for gc would mean deleting live media.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from stat import S_ISREG
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ._exceptions import (
@@ -140,12 +144,73 @@ def _step_set(steps: int | range | Iterable[int] | None) -> range | set[int] | N
 
 
 def open_rollout_file(store: Store, path: str) -> pq.ParquetFile:
-    """The Parquet file at store-relative ``path``; MmstoreError naming it if unreadable."""
+    """The Parquet file at store-relative ``path``; MmstoreError naming it if unreadable.
+
+    Every page read through it has its CRC checked (files written without checksums, by
+    other engines, read as before). Read its pages inside :func:`reading` so that a corrupt
+    page raises :class:`CorruptFileError` naming the file, not a bare ``OSError``.
+    """
+    with reading(path):
+        full = store.backend.abspath(path)
+        # Opening a FIFO for reading blocks until a writer appears: refuse anything but a
+        # regular file first (stat never blocks).
+        local = isinstance(store.backend.fs, pafs.LocalFileSystem)
+        if local and not S_ISREG(os.stat(full).st_mode):
+            raise CorruptFileError("not a regular file", **location(path))
+        source = store.backend.fs.open_input_file(full)
+        return pq.ParquetFile(source, page_checksum_verification=True)
+
+
+@contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Turn a failed read of rollout file ``path`` (a bad page checksum, a torn page, bytes
+    that are not UTF-8 in a string column) into :class:`CorruptFileError` naming it."""
     try:
-        source = store.backend.fs.open_input_file(store.backend.abspath(path))
-        return pq.ParquetFile(source)
-    except (OSError, pa.ArrowException) as exc:
-        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
+        yield
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
+        raise CorruptFileError(
+            f"unreadable rollout file: {type(exc).__name__}: {exc}", **location(path)
+        ) from None
+
+
+def check_value_counts(meta: pq.FileMetaData, row_group: int, table: pa.Table, path: str) -> None:
+    """Refuse a row group whose columns decoded to another number of values than the footer
+    records.
+
+    Page checksums cover page bodies, not page headers: a flipped bit in a header's value
+    count makes pyarrow read fewer values and silently shorten the last list of the row
+    group. The footer records each chunk's count separately; comparing costs one pass over
+    the list lengths, not over the values.
+    """
+    expected = {name: _level_entries(table.column(name)) for name in table.column_names}
+    group = meta.row_group(row_group)
+    for j in range(group.num_columns):
+        chunk = group.column(j)
+        count = expected.get(chunk.path_in_schema.split(".")[0])
+        if count is not None and count != chunk.num_values:
+            raise CorruptFileError(
+                f"column {chunk.path_in_schema} of row group {row_group} decodes to {count} "
+                f"values, the footer records {chunk.num_values}",
+                **location(path),
+            )
+
+
+def _level_entries(column: pa.ChunkedArray) -> int | None:
+    """How many values Parquet writes for each leaf of a top-level column: one per row for a
+    flat column, one per element (or per empty or null list) for a list of flat values or
+    of flat structs; None for deeper nesting (not in the v1 schema; left unchecked)."""
+    if not pa.types.is_list(column.type):
+        return None if pa.types.is_nested(column.type) else len(column)
+    value = column.type.value_type
+    fields = (
+        [value.field(k).type for k in range(value.num_fields)]
+        if pa.types.is_struct(value)
+        else [value]
+    )
+    if any(pa.types.is_nested(t) for t in fields):
+        return None
+    lengths = pc.fill_null(pc.list_value_length(column), 0)
+    return int(pc.sum(pc.max_element_wise(lengths, 1)).as_py() or 0)
 
 
 def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
@@ -161,11 +226,9 @@ def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
 def distinct_leaf(store: Store, path: str, field: str) -> pa.Array:
     """Distinct values of ``images[].<field>`` in one committed file (that leaf column only)."""
     parquet = open_rollout_file(store, path)
-    try:
+    with reading(path):
         column = parquet.read(columns=[image_leaf(parquet, field, file=path)]).column("images")
-    except (OSError, pa.ArrowException) as exc:
-        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
-    return pc.unique(pc.struct_field(pc.list_flatten(column), field))
+        return pc.unique(pc.struct_field(pc.list_flatten(column), field))
 
 
 def referenced_hashes(
@@ -193,7 +256,8 @@ def _hashes_unless_removed(store: Store, path: str) -> pa.Array:
 def read_ref_columns(parquet: pq.ParquetFile, *, file: str) -> pa.Table:
     """``sample_id`` and the ``images[].{uri,hash,nbytes}`` leaves of a file, nothing else."""
     leaves = [image_leaf(parquet, f, file=file) for f in ("uri", "hash", "nbytes")]
-    return parquet.read(columns=["sample_id", *leaves])
+    with reading(file):
+        return parquet.read(columns=["sample_id", *leaves])
 
 
 def flatten_refs(table: pa.Table) -> pa.Table:

@@ -7,6 +7,7 @@ epoch can be located without reading the data before it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,10 +15,19 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._exceptions import CorruptFileError
-from ._refscan import distinct_leaf, open_rollout_file, partition_of, select_files
+from ._backends import LocalBackend
+from ._exceptions import CorruptFileError, InvalidArgumentError
+from ._refscan import (
+    check_value_counts,
+    distinct_leaf,
+    open_rollout_file,
+    partition_of,
+    reading,
+    select_files,
+)
 from ._rowcheck import FILE_COLUMN, conform
 from ._schema import META_LAYOUTS, check_schema_version
+from ._store import ROLLOUTS
 
 if TYPE_CHECKING:
     from ._store import Store
@@ -65,9 +75,13 @@ def take_snapshot(
     steps: Iterable[int] | range | None = None,
     files: Sequence[str] | None = None,
 ) -> Snapshot:
-    """Units of the committed files selected by run and step (or exactly ``files``)."""
+    """Units of the committed files selected by run and step (or exactly ``files``, which
+    must each name a committed rollout file of this store: they may come from a saved
+    state)."""
     if files is None:
         files = [stat.path for stat in select_files(store, runs, steps)]
+    else:
+        files = [committed_file(store, path) for path in files]
     units: list[WorkUnit] = []
     for path in files:
         run_id, step = partition_of(path)
@@ -78,6 +92,38 @@ def take_snapshot(
             if meta.row_group(i).num_rows
         )
     return Snapshot(tuple(files), tuple(units))
+
+
+# rollouts/run_id=<run>/step=<step>/[...]/<name>.parquet: what Store.rollout_files lists.
+_PARTITION = re.compile(r"^run_id=[A-Za-z0-9][A-Za-z0-9._-]{0,127}/step=(0|[1-9][0-9]{0,9})$")
+
+
+def committed_file(store: Store, path: Any) -> str:
+    """``path`` if it names a committed rollout file of ``store``; else InvalidArgumentError.
+
+    A loader state is data from outside: ``..``, an absolute path, ``_staging`` or a symlink
+    out of the store would make the loader read rows that were never committed here.
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        len(parts) < 4
+        or parts[0] != ROLLOUTS
+        or not _PARTITION.match("/".join(parts[1:3]))
+        or not parts[-1].endswith(".parquet")
+        or any(not p or p.startswith(("_", ".")) or "\\" in p for p in parts)
+    ):
+        raise InvalidArgumentError(
+            "state names a file that is not a committed rollout file path "
+            "(rollouts/run_id=…/step=…/….parquet)",
+            file=repr(path)[:300],
+        )
+    backend = store.backend
+    outside = isinstance(backend, LocalBackend) and not backend.inside(backend.abspath(path))
+    if outside or backend.stat(path) is None:
+        raise InvalidArgumentError(
+            "state names a rollout file that is not committed in this store", file=path
+        )
+    return path
 
 
 def read_footer(store: Store, path: str) -> pq.FileMetaData:
@@ -136,9 +182,10 @@ def read_units(store: Store, units: Sequence[WorkUnit]) -> pa.Table:
         handle = handles.get(unit.file) or handles.setdefault(
             unit.file, open_rollout_file(store, unit.file)
         )
-        table = conform(
-            handle.read_row_group(unit.row_group, columns=ROW_COLUMNS), ROW_COLUMNS, file=unit.file
-        )
+        with reading(unit.file):
+            table = handle.read_row_group(unit.row_group, columns=ROW_COLUMNS)
+        check_value_counts(handle.metadata, unit.row_group, table, unit.file)
+        table = conform(table, ROW_COLUMNS, file=unit.file)
         files = pa.array([unit.file] * table.num_rows, pa.string())
         tables.append(table.append_column(FILE_COLUMN, files))
     return pa.concat_tables(tables, promote_options="none") if tables else pa.table({})

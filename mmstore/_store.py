@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 from PIL import Image
 
-from ._backends import STAGING, Backend, FileStat, LocalBackend, S3Backend
+from ._backends import STAGING, Backend, FileStat, LocalBackend, NotAFileError, S3Backend
 from ._exceptions import (
     HashMismatchError,
     ImageDecodeError,
@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
+# Linux's limits (limits.h): longer names fail every file call with ENAMETOOLONG.
+NAME_MAX = 255
+PATH_MAX = 4096
 # An RFC 3986 scheme prefix; a URI without one is store-relative.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -196,6 +199,8 @@ class Store:
         backend, rel = self.resolve(uri)
         try:
             data = backend.read(rel)
+        except NotAFileError:  # a FIFO, device or directory: refused without blocking
+            raise MediaNotFoundError("media path is not a regular file", uri=uri) from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MediaNotFoundError("media file not found", uri=uri) from None
         actual = content_hash(data)
@@ -277,6 +282,7 @@ class Store:
             raise UntrustedURIError(
                 f"store-relative media URIs are normalized paths under {MEDIA}/", uri=uri
             )
+        _check_name_lengths(uri, uri)
         if isinstance(self.backend, LocalBackend) and not self.backend.inside(
             self.backend.abspath(uri)
         ):
@@ -419,6 +425,9 @@ def _file_target(uri: str) -> str:
     path = unquote(parsed.path)
     if not path.startswith("/") or "\\" in path or ".." in path.split("/"):
         raise UntrustedURIError("file URI must name a normalized absolute path", uri=uri)
+    if any(ord(c) < 32 for c in path):  # %00 and friends: no OS takes them in a file name
+        raise UntrustedURIError("file URI encodes control characters", uri=uri)
+    _check_name_lengths(path, uri)
     return "file://" + os.path.normpath(path)
 
 
@@ -435,3 +444,15 @@ def _local_path(root: str) -> str:
     except (pa.ArrowInvalid, ValueError) as exc:
         raise NotAStoreError(f"unusable store location {root!r}: {exc}", root=root) from None
     return str(path)
+
+
+def _check_name_lengths(path: str, uri: str) -> None:
+    """Refuse a path no file system can hold (a name over NAME_MAX, the whole over PATH_MAX)
+    up front, with the URI named, instead of an OSError from the first stat."""
+    encoded = path.encode("utf-8", "surrogateescape")
+    if len(encoded) >= PATH_MAX or any(len(p) > NAME_MAX for p in encoded.split(b"/")):
+        raise UntrustedURIError(
+            f"media path is longer than a file system allows ({NAME_MAX} bytes a name, "
+            f"{PATH_MAX} in all)",
+            uri=uri[:300],
+        )

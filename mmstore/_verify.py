@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ._exceptions import (
     InvalidRolloutError,
@@ -34,11 +35,13 @@ from ._pins import read_pins
 from ._progress import bar
 from ._refscan import (
     HASH_RE,
+    check_value_counts,
     flatten_refs,
     location,
     media_hash,
     open_rollout_file,
     read_ref_columns,
+    reading,
 )
 from ._rowcheck import RowWindow, conform
 from ._scan import ROW_COLUMNS
@@ -128,25 +131,45 @@ def _verify_file(
         problems: list[Problem] = []
         if checker.check_hashes:
             # Every page decoded, and every row checked as the loader checks it.
-            rows = conform(parquet.read(), ROW_COLUMNS, file=path)
+            rows = conform(_decode_every_page(parquet, path), ROW_COLUMNS, file=path)
             problems = _row_problems(store, rows, parquet.metadata.metadata, where)
         columns = read_ref_columns(parquet, file=path)
+        with reading(path):  # a file without page checksums may still hold invalid UTF-8
+            sample_ids = columns.column("sample_id").to_pylist()
+            refs = flatten_refs(columns)
+            distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
+            keys = list(
+                zip(
+                    *(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")),
+                    strict=True,
+                )
+            )
     except SchemaVersionError as exc:
         return [Problem("schema_version", exc.message, **where)], 0
     except (MmstoreError, OSError, pa.ArrowException) as exc:
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         return [Problem("unreadable_file", message, **where)], 0
-    refs = flatten_refs(columns)
-    problems += _duplicate_samples(columns.column("sample_id").to_pylist(), seen_samples, where)
-    distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
-    keys = list(
-        zip(*(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")), strict=True)
-    )
+    problems += _duplicate_samples(sample_ids, seen_samples, where)
     checker.check_all(keys, pool)
     bad = [(key, found) for key in keys if (found := checker.results[key]) is not None]
     if bad:
         problems += _ref_problems(refs, bad, where)
     return problems, refs.num_rows
+
+
+def _decode_every_page(parquet: pq.ParquetFile, path: str) -> pa.Table:
+    """Read every page (checking its CRC and value counts) and validate the Arrow data
+    (UTF-8, offsets), row group by row group; the whole file's rows."""
+    tables = []
+    for i in range(parquet.metadata.num_row_groups):
+        with reading(path):
+            table = parquet.read_row_group(i)
+            table.validate(full=True)
+        check_value_counts(parquet.metadata, i, table, path)
+        tables.append(table)
+    if not tables:
+        return parquet.schema_arrow.empty_table()
+    return pa.concat_tables(tables)
 
 
 def _row_problems(

@@ -60,6 +60,10 @@ COLUMN_ENCODING = {"logprobs.list.element": "BYTE_STREAM_SPLIT"}
 ZSTD_LEVEL = 1
 # Min/max statistics only where a predicate can use them; list columns get none.
 STATISTICS_COLUMNS = ["sample_id", "group_id", "prompt_len", "reward", "advantage"]
+# A CRC-32 of every page, checked on every read (open_rollout_file): a flipped bit in a page
+# becomes a CorruptFileError instead of different tokens. Readers that ignore checksums
+# (older pyarrow, other engines) read the files as before.
+PAGE_CHECKSUMS = True
 
 
 def parquet_options() -> dict[str, Any]:
@@ -70,6 +74,7 @@ def parquet_options() -> dict[str, Any]:
         "use_dictionary": DICTIONARY_COLUMNS or False,
         "column_encoding": COLUMN_ENCODING,
         "write_statistics": STATISTICS_COLUMNS,
+        "write_page_checksum": PAGE_CHECKSUMS,
     }
 
 
@@ -166,6 +171,7 @@ class RolloutWriter:
         self._pending: list[dict[str, Any]] = []
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
+        self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
         self._closed = False
 
     # -- writing -------------------------------------------------------------------------
@@ -181,6 +187,12 @@ class RolloutWriter:
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        if self._encoded is not None:
+            raise InvalidRolloutError(
+                "a failed commit is pending: call commit() again (or abort()) first",
+                run_id=self.run_id,
+                step=self.step,
+            )
         if not isinstance(rollout, Rollout):
             raise InvalidRolloutError(
                 f"expected an mmstore.Rollout, got {type(rollout).__name__}", run_id=self.run_id
@@ -251,31 +263,45 @@ class RolloutWriter:
         """Make every row written so far visible as one Parquet file; return its path.
 
         All media the rows reference was made durable by ``put_media`` before ``write``
-        accepted them, so a committed file never points at missing bytes.
+        accepted them, so a committed file never points at missing bytes. If the commit fails
+        (disk full, an unusable ``_staging``), the encoded file is kept and nothing torn is
+        left behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
-        self._flush_row_group()
-        if self._parquet is None or self._sink is None:
-            return None
-        layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
-        metadata = file_metadata(self.run_id, self.step, layouts)
-        self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
-        self._parquet.close()
-        data = self._sink.getvalue().to_pybytes()
-        self._parquet = self._sink = None
+        if self._encoded is None:
+            self._flush_row_group()
+            if self._parquet is None or self._sink is None:
+                return None
+            self._encoded = self._encode()
         rel = (
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
-        if not self.store.backend.write_atomic(rel, data, replace=False):
+        written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
+        # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
+        # file in place; any other file under this writer's unique name is not ours.
+        if not written and self.store.backend.read(rel) != self._encoded:
             raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
+        self._encoded = None
         self.committed.append(rel)
         return rel
+
+    def _encode(self) -> bytes:
+        """Close the Parquet writer and return the whole file."""
+        assert self._parquet is not None and self._sink is not None
+        layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
+        metadata = file_metadata(self.run_id, self.step, layouts)
+        self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
+        self._parquet.close()
+        data: bytes = self._sink.getvalue().to_pybytes()
+        self._parquet = self._sink = None
+        return data
 
     def abort(self) -> None:
         """Drop everything not yet committed and close the writer."""
         self._pending = []
+        self._encoded = None
         if self._parquet is not None:
             self._parquet.close()
         self._parquet = self._sink = None

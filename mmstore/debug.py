@@ -13,7 +13,6 @@ images display inline in notebooks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -25,10 +24,17 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from ._backends import S3Backend
-from ._exceptions import InvalidArgumentError, MediaNotFoundError, MmstoreError, NoMatchError
+from ._exceptions import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MediaNotFoundError,
+    MmstoreError,
+    NoMatchError,
+    UnsupportedProcessorError,
+)
 from ._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
 from ._progress import bar
-from ._refscan import partition_of
+from ._refscan import partition_of, reading
 from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:
@@ -440,12 +446,35 @@ def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> 
     """Layouts recorded in the rollout files' key-value metadata (footers only)."""
     layouts: dict[str, Layout] = {}
     for rel in bar(paths, desc="reading footers", unit="file", progress=progress):
-        meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs).metadata
-        raw = (meta or {}).get(META_LAYOUTS)
-        for fingerprint, record in json.loads(raw or b"{}").items():
-            if fingerprint not in layouts:
-                with contextlib.suppress(MmstoreError):  # unknown family: size unknown
-                    layouts[fingerprint] = layout_from_record(record)
+        with reading(rel):
+            meta = pq.read_metadata(store.backend.abspath(rel), filesystem=store.backend.fs)
+        raw = (meta.metadata or {}).get(META_LAYOUTS)
+        for fingerprint, layout in _footer_layouts(raw, rel).items():
+            layouts.setdefault(fingerprint, layout)
+    return layouts
+
+
+def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
+    """The ``mmstore.layouts`` of one footer, each checked to lay out an image."""
+    try:
+        found = json.loads(raw or b"{}")
+        layouts: dict[str, Layout] = {}
+        for fingerprint, record in found.items():
+            try:
+                layout = layout_from_record(record)
+            except UnsupportedProcessorError:  # a family this version does not know: size unknown
+                continue
+            values = layout.params().values()
+            if any(isinstance(v, int) and v <= 0 for v in values):
+                raise ValueError("non-positive layout parameter")
+            family_for_layout(layout).pixel_shape(224, 224)
+            layouts[str(fingerprint)] = layout
+    # Forged metadata can fail in any way (bad JSON, wrong keys or types, zero sizes, deep
+    # nesting); whichever it is, the footer is what is wrong: say so, naming the file.
+    except Exception as exc:
+        raise CorruptFileError(
+            f"unreadable layouts in the footer ({type(exc).__name__}: {exc})", file=rel
+        ) from None
     return layouts
 
 

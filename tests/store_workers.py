@@ -102,7 +102,7 @@ def check_store(store: mmstore.Store, adapter: mmstore.QwenVLAdapter) -> list[di
     for rel in tree(base):
         rel = rel.replace(os.sep, "/")
         top = rel.split("/", 1)[0]
-        if rel == "mmstore.json" or top == "_staging":
+        if rel == "mmstore.json" or top in ("_staging", "pins"):  # pins: verify reads them
             continue
         if top == "media":
             name = rel.rsplit("/", 1)[1]
@@ -228,6 +228,99 @@ def concurrent(root: str, writers: int, shared: int, rows: int) -> dict[str, Any
     return {"exit_codes": [os.waitstatus_to_exitcode(s) for s in statuses]}
 
 
+# -- lifecycle: gc, release_run, export and pin_rows killed with SIGKILL -------------------
+
+LIFECYCLE_OPS = ("gc", "release_run", "export", "pin_rows")
+# How long after an operation starts the parent may kill it (s) until it has seen one of its
+# kind finish; from then on, within the time that one took.
+LIFECYCLE_KILL_WITHIN = 0.3
+OLD = 7200.0  # seconds: media this old is past any grace period the trials use
+
+
+def lifecycle_prepare(root: str, trial: int, adapter: mmstore.QwenVLAdapter) -> None:
+    """Give trial ``trial`` something to do: a run of three steps over fresh media, media
+    shared with earlier runs, and unreferenced media; all of it older than the grace."""
+    store = mmstore.Store.open(root)
+    rng = random.Random(trial)
+    fresh = [store.put_media(image_bytes(1000 + 40 * trial + j, 64, 48)) for j in range(16)]
+    shared = [store.put_media(image_bytes(rng.randrange(6), 64, 48)) for _ in range(4)]
+    for step in range(3):
+        with store.writer(run_id=f"run{trial}", step=step, row_group_size=2) as writer:
+            for k in range(4):
+                pair = [fresh[4 * step + k], shared[(step + k) % len(shared)]]
+                writer.write(make_row(adapter, pair, f"t{trial}-{step}-{k}", group_id="g"))
+    past = time.time() - OLD
+    for path in {m.path for m in store.backend.list("media")}:
+        os.utime(store.backend.abspath(path), (past, past))
+
+
+def lifecycle_op(root: str, trial: int, op: str, marker_fd: int) -> None:
+    store = mmstore.Store.open(root)
+    os.write(marker_fd, b"s")
+    if op == "gc":
+        mmstore.gc(store, grace_seconds=60)
+    elif op == "release_run":
+        mmstore.release_run(store, f"run{trial}", grace_seconds=60)
+    elif op == "export":
+        mmstore.export(store, f"{root}-export-{trial}", runs=[f"run{trial}", f"run{trial - 1}"])
+    else:  # pin a run's rows, then release it: the pin must keep every one of its images
+        mmstore.pin_rows(store, f"pin{trial}", runs=[f"run{trial}"])
+        mmstore.release_run(store, f"run{trial}", grace_seconds=60)
+    os.write(marker_fd, b"d")
+
+
+def lifecycle(root: str, trials: int, seed: int) -> dict[str, Any]:
+    adapter = small_adapter()
+    rng = random.Random(seed)
+    outcome: dict[str, dict[str, int]] = {op: {"killed": 0, "finished": 0} for op in LIFECYCLE_OPS}
+    within = dict.fromkeys(LIFECYCLE_OPS, LIFECYCLE_KILL_WITHIN)
+    for trial in range(trials):
+        _run_to_end(lambda t=trial: lifecycle_prepare(root, t, adapter))
+        op = LIFECYCLE_OPS[trial % len(LIFECYCLE_OPS)]
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            code = 0
+            try:
+                lifecycle_op(root, trial, op, write_fd)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        os.close(write_fd)
+        if _await_marker(read_fd, b"s", 1):
+            started = time.monotonic()
+            if _await_marker(read_fd, b"d", 1, timeout=rng.uniform(0, within[op])):
+                within[op] = time.monotonic() - started
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        os.close(read_fd)
+        if os.WIFSIGNALED(status):
+            outcome[op]["killed"] += 1
+        elif os.waitstatus_to_exitcode(status) == 0:
+            outcome[op]["finished"] += 1
+        else:
+            raise RuntimeError(f"{op} of trial {trial} failed with status {status}")
+    return {"ops": outcome}
+
+
+def _run_to_end(fn: Any) -> None:
+    """``fn()`` in a forked child (the parent stays free of pyarrow and threads)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"preparing a trial failed with status {status}")
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -235,6 +328,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("root")
     p.add_argument("--trials", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    lc = sub.add_parser("lifecycle")
+    lc.add_argument("root")
+    lc.add_argument("--trials", type=int, default=12)
+    lc.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("concurrent")
     c.add_argument("root")
     c.add_argument("--writers", type=int, default=4)
@@ -243,6 +340,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.mode == "crash":
         result = crash(args.root, args.trials, args.seed)
+    elif args.mode == "lifecycle":
+        result = lifecycle(args.root, args.trials, args.seed)
     else:
         result = concurrent(args.root, args.writers, args.shared, args.rows)
     print(json.dumps(result))

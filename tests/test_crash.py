@@ -75,3 +75,37 @@ def test_the_check_sees_torn_files_and_debris_outside_staging(store, adapter):
     image.unlink()
     with pytest.raises(AssertionError, match="references missing"):
         check_store(store, adapter)
+
+
+def test_sigkill_during_gc_release_export_and_pin_loses_nothing_referenced(tmp_path, adapter):
+    # Each trial commits a run over fresh and shared media (plus unreferenced media, all past
+    # the grace period), then runs gc, release_run, export or pin_rows + release_run in a
+    # process killed with SIGKILL at a random moment of it.
+    root = tmp_path / "store"
+    mmstore.Store.open(root, create=True)
+    done = subprocess.run(
+        [sys.executable, WORKERS, "lifecycle", str(root), "--trials", "12", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    ops = json.loads(done.stdout.strip().splitlines()[-1])["ops"]
+    print(ops)
+    assert all(o["killed"] + o["finished"] == 3 for o in ops.values()), ops
+    assert all(o["killed"] for o in ops.values()), ops  # each kind died mid-operation
+    assert sum(o["killed"] for o in ops.values()) >= 6, ops
+
+    store = mmstore.Store.open(root)
+    check_store(store, adapter)  # every committed row's media is present and whole
+    pinned = mmstore._pins.pinned_hashes(store)
+    present = {
+        p.rsplit("/", 1)[1].split(".")[0] for p in (m.path for m in store.backend.list("media"))
+    }
+    assert pinned <= present, "a pinned image was swept"
+    assert mmstore.verify(store).ok
+    for dest in sorted(tmp_path.glob("store-export-*")):
+        if (dest / "mmstore.json").exists():  # killed after the export's store was made
+            exported = mmstore.Store.open(dest)
+            check_store(exported, adapter)
+            assert mmstore.verify(exported).ok

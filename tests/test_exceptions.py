@@ -30,6 +30,7 @@ TREE = [
     (mmstore.CorruptFileError, ValueError),
     (mmstore.NoMatchError, LookupError),
     (mmstore.DestinationExistsError, FileExistsError),
+    (mmstore.DeleteFailedError, OSError),
 ]
 
 ALL_ERRORS = [
