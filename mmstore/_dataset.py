@@ -28,6 +28,7 @@ from ._materialize import (
     check_missing_policy,
 )
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
+from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._scan import Snapshot, fingerprints_by_run, read_units, recorded_layouts, take_snapshot
 from ._store import Store
 
@@ -58,6 +59,8 @@ class RolloutDataset(IterableDataset[Sample]):
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         window_units: int = DEFAULT_WINDOW_UNITS,
+        prefetch_requests: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         check_missing_policy(missing)
         dtype = training_dtype(dtype)
@@ -72,11 +75,14 @@ class RolloutDataset(IterableDataset[Sample]):
         self.max_len = max_len
         self.cache_bytes = cache_bytes
         self.window_units = window_units
+        self.prefetch_requests = prefetch_requests
+        self.prefetch_bytes = prefetch_bytes
         self.epoch = 0
         self.position = 0
         self.snapshot = take_snapshot(store, runs, steps)
         self._check_layouts(self.snapshot)
         self._materializer: Materializer | None = None
+        self._prefetcher: Prefetcher | None = None
 
     def _check_layouts(self, snapshot: Snapshot) -> None:
         found = fingerprints_by_run(self.store, snapshot)
@@ -122,6 +128,7 @@ class RolloutDataset(IterableDataset[Sample]):
         # Workers build their own materializer and cache; never ship the parent's to them.
         state = self.__dict__.copy()
         state["_materializer"] = None
+        state["_prefetcher"] = None  # a thread pool: each worker builds its own
         return state
 
     def materializer(self) -> Materializer:
@@ -135,6 +142,11 @@ class RolloutDataset(IterableDataset[Sample]):
                 max_len=self.max_len,
                 cache_bytes=self.cache_bytes,
             )
+            self._prefetcher = prefetcher_for(
+                self.store, self.prefetch_requests, self.prefetch_bytes
+            )
+            if self._prefetcher is not None:
+                self._materializer.media = self._prefetcher
         return self._materializer
 
     def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
@@ -159,8 +171,19 @@ class RolloutDataset(IterableDataset[Sample]):
                 shuffle=self.shuffle,
             )
             rows = table.take(order[[p - lo for p in wanted[i:j]]])
-            yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
+            self._read_ahead(rows, materializer)
+            try:
+                yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
+            finally:
+                if self._prefetcher is not None:
+                    self._prefetcher.clear()
             i = j
+
+    def _read_ahead(self, rows: Any, materializer: Materializer) -> None:
+        # Read these rows' media ahead (remote stores); images processed already are skipped.
+        if self._prefetcher is not None:
+            fp = self.adapter.fingerprint
+            self._prefetcher.feed_rows(rows, skip=lambda h: (h, fp) in materializer.cache)
 
     def __iter__(self) -> Iterator[Sample]:
         """Unbatched samples from ``self.position`` on (sharded by position across workers).

@@ -93,6 +93,7 @@ class Materializer:
         self.missing = missing
         self.max_len = max_len
         self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
+        self.media: Any = store  # or a Prefetcher (._prefetch): same open_image, read ahead
 
     def samples(self, table: pa.Table) -> Iterator[Sample]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
@@ -152,7 +153,7 @@ class Materializer:
         if cached is not None:
             return cached
         try:
-            image = self.store.open_image(ref.uri, ref.hash)
+            image = self.media.open_image(ref.uri, ref.hash)
         except MediaNotFoundError as exc:
             if self.missing == "error":
                 raise with_context(exc, **where) from None
