@@ -72,6 +72,7 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
     "trust": ("benchmarks.bench_trust", []),
+    "s3": ("benchmarks.bench_s3", []),
     "scan": (
         "benchmarks.bench_scan",
         [
