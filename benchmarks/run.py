@@ -73,6 +73,7 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "lifecycle": ("benchmarks.bench_lifecycle", []),
     "trust": ("benchmarks.bench_trust", []),
     "s3": ("benchmarks.bench_s3", []),
+    "ray": ("benchmarks.bench_ray", []),
     "scan": (
         "benchmarks.bench_scan",
         [
