@@ -15,6 +15,7 @@ and image index exactly as a blocking read would. Local stores get no prefetcher
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,7 @@ class Prefetcher:
         self._queued: OrderedDict[Key, None] = OrderedDict()
         self._started: dict[Key, Future[bytes]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
         self.peak_held_bytes = 0  # the most bytes read ahead and not yet taken (for tests)
 
     def feed(self, refs: Iterable[Key]) -> None:
@@ -79,6 +81,7 @@ class Prefetcher:
 
     def open_image(self, uri: str, expected_hash: str) -> Image.Image:
         """The verified, decoded image: read ahead if it was fed, else read now."""
+        self._after_fork()
         future = self._started.pop((uri, expected_hash), None)
         self._queued.pop((uri, expected_hash), None)
         if future is None:
@@ -110,6 +113,7 @@ class Prefetcher:
 
     def _pump(self) -> None:
         # Runs on the consumer's thread only (feed / take), so the bookkeeping needs no lock.
+        self._after_fork()
         in_flight = sum(not f.done() for f in self._started.values())
         held = self.held_bytes()
         self.peak_held_bytes = max(self.peak_held_bytes, held)
@@ -117,6 +121,14 @@ class Prefetcher:
             key, _ = self._queued.popitem(last=False)
             self._started[key] = self._executor().submit(self.store.read_media, *key)
             in_flight += 1
+
+    def _after_fork(self) -> None:
+        # A forked DataLoader worker inherits the pool without its threads: reads submitted
+        # there would never run. Start afresh in the child.
+        if self._pid != os.getpid():
+            self._pid, self._pool = os.getpid(), None
+            self._queued.clear()
+            self._started.clear()
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:  # built lazily: a worker process makes its own
