@@ -29,7 +29,8 @@ from ._materialize import (
 )
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
 from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
-from ._scan import Snapshot, fingerprints_by_run, read_units, recorded_layouts, take_snapshot
+from ._refscan import partition_of
+from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
 from ._store import Store
 
 STATE_VERSION = 1
@@ -85,20 +86,22 @@ class RolloutDataset(IterableDataset[Sample]):
         self._prefetcher: Prefetcher | None = None
 
     def _check_layouts(self, snapshot: Snapshot) -> None:
-        found = fingerprints_by_run(self.store, snapshot)
-        wrong = {fp: runs for fp, runs in found.items() if fp != self.adapter.fingerprint}
+        found = fingerprints_by_file(self.store, snapshot)
+        wrong = {fp: files for fp, files in found.items() if fp != self.adapter.fingerprint}
         if wrong:
             stored = recorded_layouts(self.store, snapshot.files)
             mine = self.adapter.layout.params()
+            runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
             listing = "; ".join(
-                f"runs {sorted(runs)}: {_layout_diff(stored.get(fp), mine)}"
-                for fp, runs in sorted(wrong.items())
+                f"runs {sorted(r)}: {_layout_diff(stored.get(fp), mine)}"
+                for fp, r in sorted(runs.items())
             )
             raise LayoutMismatchError(
                 f"the processor lays images out differently from how they were stored "
                 f"(stored vs processor) in {listing}. Build the image processor with the stored "
                 "parameters, or select other runs (runs=...)",
-                runs=sorted({r for runs in wrong.values() for r in runs}),
+                runs=sorted({r for rs in runs.values() for r in rs}),
+                files=sorted({f for files in wrong.values() for f in files}),
             )
 
     def use_snapshot(self, files: list[str]) -> None:

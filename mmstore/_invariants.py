@@ -69,6 +69,11 @@ def check_spans(
     :class:`InvalidRolloutError` with the image index at the first violation, images in
     order; the caller adds where the row came from.
     """
+    if not len(offsets):  # text only: no image token may occur at all
+        ids = list(image_token_ids)
+        if ids and _count(tokens, ids):
+            _check_no_stray(tokens, (), (), ids, 0)
+        return
     n = len(tokens)
     special = set(image_token_ids)
     expansions = []  # what the spans hold: they equal their expansions once checked

@@ -165,11 +165,18 @@ def run_layouts(store: Store, run_id: str) -> dict[str, dict[str, Any]]:
 
 def fingerprints_by_run(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
     """Every layout fingerprint in the snapshot -> the runs using it (one leaf column read)."""
+    return {
+        fp: {partition_of(path)[0] for path in paths}
+        for fp, paths in fingerprints_by_file(store, snapshot).items()
+    }
+
+
+def fingerprints_by_file(store: Store, snapshot: Snapshot) -> dict[str, set[str]]:
+    """Every layout fingerprint in the snapshot -> the files using it."""
     found: dict[str, set[str]] = {}
     for path in snapshot.files:
-        run_id, _ = partition_of(path)
         for fp in distinct_leaf(store, path, "layout_fingerprint").to_pylist():
-            found.setdefault(fp, set()).add(run_id)
+            found.setdefault(fp, set()).add(path)
     return found
 
 
