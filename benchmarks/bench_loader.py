@@ -73,6 +73,7 @@ def _cat(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def hf_dataset(paths: list[list[str]], proc: Any) -> Any:
     import datasets
 
+    datasets.disable_progress_bars()  # its progress output stays out of the report
     ds = datasets.Dataset.from_dict({"images": paths}).cast_column(
         "images", datasets.Sequence(datasets.Image())
     )

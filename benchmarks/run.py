@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import platform
+import tempfile
 import time
 from typing import Any
 
@@ -74,6 +75,14 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "trust": ("benchmarks.bench_trust", []),
     "s3": ("benchmarks.bench_s3", []),
     "ray": ("benchmarks.bench_ray", []),
+    "pack": (
+        "benchmarks.bench_pack",
+        [
+            ("packing efficiency mmstore / padded", "mmstore_over_padded", "better"),
+            ("packing efficiency mmstore / greedy", "mmstore_over_greedy", "better"),
+            ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better"),
+        ],
+    ),
     "scan": (
         "benchmarks.bench_scan",
         [
@@ -156,9 +165,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=float(os.environ.get("BENCH_SCALE", 1)))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="default: benchmarks/results at full scale (>= 1), a scratch folder below it, "
+        "so a small run never overwrites committed full-scale results",
+    )
     parser.add_argument("--only", nargs="*", choices=list(SUITE))
     args = parser.parse_args(argv)
+    if args.out is None:
+        full = args.scale >= 1
+        results_dir = os.path.join(os.path.dirname(__file__), "results")
+        args.out = results_dir if full else tempfile.mkdtemp(prefix="mmstore-bench-")
     meta = {
         "date": datetime.date.today().isoformat(),
         "scale": args.scale,

@@ -5,8 +5,11 @@ backend also exposes a pyarrow ``FileSystem`` and the root's path in it, for dat
 
 Atomicity: locally a file is written under ``_staging/``, fsync'd, then linked or renamed
 into place (and the directories that changed are fsync'd), so a reader never sees half a
-file and a crash leaves garbage only in ``_staging/``. On S3 one PUT of the final key makes
-the object visible only once it is complete.
+file and a crash leaves garbage only in ``_staging/``. Content-addressed media
+(``put_content``) is written the same way but not fsync'd: it only needs to be durable
+before a row that references it commits, so the writer's commit calls ``sync`` once for all
+of them (one fsync per file and per directory, instead of three per put). On S3 one
+PUT of the final key makes the object visible only once it is complete.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -42,8 +46,11 @@ class Backend(Protocol):
 
     def abspath(self, rel: str) -> str: ...
     def read(self, rel: str) -> bytes: ...
-    def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool: ...
+    def write_atomic(
+        self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
+    ) -> bool: ...
     def put_content(self, rel: str, data: bytes) -> None: ...
+    def sync(self, rels: Iterable[str]) -> None: ...
     def stat(self, rel: str) -> FileStat | None: ...
     def list(self, rel: str) -> list[FileStat]: ...
     def delete(self, rel: str) -> None: ...
@@ -65,11 +72,20 @@ class LocalBackend:
         with _open_regular(self.abspath(rel)) as f:
             return f.read()
 
-    def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool:
-        """Write ``data`` at ``rel`` atomically; False if it existed and ``replace`` is off."""
+    def write_atomic(
+        self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
+    ) -> bool:
+        """Write ``data`` at ``rel`` atomically; False if it existed and ``replace`` is off.
+
+        ``durable=False`` skips every fsync: the file is still whole or absent for readers
+        and after a killed process, but a power loss may lose it until :meth:`sync`.
+        """
         dest = self.abspath(rel)
-        _makedirs_durable(os.path.dirname(dest))
-        tmp = self.stage(data)
+        if durable:
+            _makedirs_durable(os.path.dirname(dest))
+        else:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = self.stage(data, durable=durable)
         try:
             if replace:
                 os.replace(tmp, dest)
@@ -82,7 +98,8 @@ class LocalBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(os.path.dirname(dest))
+        if durable:
+            _fsync_dir(os.path.dirname(dest))
         return True
 
     def put_content(self, rel: str, data: bytes) -> None:
@@ -97,13 +114,14 @@ class LocalBackend:
         """
         if self._holds(rel, data) and self._renew(rel):
             return
-        if self.write_atomic(rel, data, replace=False):
+        # Not fsync'd here: the commit of the rows that reference it syncs it (``sync``).
+        if self.write_atomic(rel, data, replace=False, durable=False):
             return
         # Present after all: a concurrent put linked the same bytes first, or it is damaged.
         if self._holds(rel, data) and self._renew(rel):
             return
         try:
-            self.write_atomic(rel, data, replace=True)
+            self.write_atomic(rel, data, replace=True, durable=False)
         except IsADirectoryError:
             raise HashMismatchError(
                 "a directory sits where these bytes belong; remove it", uri=rel
@@ -126,16 +144,40 @@ class LocalBackend:
             return False
         return True
 
-    def stage(self, data: bytes) -> str:
-        """A durable staging file holding ``data``; the caller moves or removes it."""
+    def sync(self, rels: Iterable[str]) -> None:
+        """Make the files at ``rels`` durable with the directory entries leading to them.
+
+        Called before a commit makes rows that reference them visible, whoever wrote them: a
+        dedup hit may name another writer's copy that is not yet durable, and fsync of a file
+        that already is costs little. Each directory is fsync'd once, leaf to root.
+        """
+        dirs: set[str] = set()
+        for rel in sorted(set(rels)):
+            path = self.abspath(rel)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            parent = os.path.dirname(path)
+            while self.inside(parent) and parent not in dirs:
+                dirs.add(parent)
+                parent = os.path.dirname(parent)
+        for directory in sorted(dirs, key=len, reverse=True):
+            _fsync_dir(directory)
+
+    def stage(self, data: bytes, *, durable: bool = True) -> str:
+        """A staging file holding ``data`` (fsync'd if ``durable``); the caller moves or
+        removes it."""
         staging = self.abspath(STAGING)
         os.makedirs(staging, exist_ok=True)
         tmp = os.path.join(staging, f"{uuid.uuid4().hex}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
             # Disk full, file too large, I/O error: leave no torn file behind.
             with contextlib.suppress(FileNotFoundError):
@@ -278,7 +320,10 @@ class S3Backend:
                 raise FileNotFoundError(self.abspath(rel)) from exc
             raise
 
-    def write_atomic(self, rel: str, data: bytes, *, replace: bool = True) -> bool:
+    def write_atomic(
+        self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
+    ) -> bool:
+        # One PUT: durable once it returns, whatever ``durable`` says.
         if not replace and self.stat(rel) is not None:
             return False
         with self.fs.open_output_stream(self.abspath(rel)) as f:
@@ -291,6 +336,9 @@ class S3Backend:
         # identical bytes stores new content and renews LastModified of present content, in
         # one request, with no HEAD and no race between writers of the same hash.
         self.write_atomic(rel, data)
+
+    def sync(self, rels: Iterable[str]) -> None:
+        """Nothing to do: an S3 object is durable once its PUT returns."""
 
     def stat(self, rel: str) -> FileStat | None:
         info = self.fs.get_file_info(self.abspath(rel))

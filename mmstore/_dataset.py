@@ -8,7 +8,10 @@ resume at batch ``k`` reads nothing before it.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import operator
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,7 +30,10 @@ from ._materialize import (
     Sample,
     check_missing_policy,
 )
+from ._microbatch import packed_input_names
+from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
+from ._packed import PackedPlanner, PackedStream
 from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
@@ -59,6 +65,8 @@ class RolloutDataset(IterableDataset[Sample]):
         max_len: int | None = None,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        node_cache_bytes: int | None = None,
+        node_cache_dir: str | None = None,
         window_units: int = DEFAULT_WINDOW_UNITS,
         prefetch_requests: int | None = None,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
@@ -75,6 +83,12 @@ class RolloutDataset(IterableDataset[Sample]):
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.max_len = max_len
         self.cache_bytes = cache_bytes
+        self.node_cache_dir = node_cache_dir or default_directory()
+        if node_cache_bytes is None:
+            node_cache_bytes = DEFAULT_NODE_CACHE_BYTES if self.node_cache_dir else 0
+        if node_cache_bytes < 0:
+            raise ValueError(f"node_cache_bytes must be >= 0, got {node_cache_bytes}")
+        self.node_cache_bytes = node_cache_bytes
         self.window_units = window_units
         self.prefetch_requests = prefetch_requests
         self.prefetch_bytes = prefetch_bytes
@@ -144,6 +158,7 @@ class RolloutDataset(IterableDataset[Sample]):
                 missing=self.missing,
                 max_len=self.max_len,
                 cache_bytes=self.cache_bytes,
+                node_cache=self._node_cache(),
             )
             self._prefetcher = prefetcher_for(
                 self.store, self.prefetch_requests, self.prefetch_bytes
@@ -151,6 +166,11 @@ class RolloutDataset(IterableDataset[Sample]):
             if self._prefetcher is not None:
                 self._materializer.media = self._prefetcher
         return self._materializer
+
+    def _node_cache(self) -> NodeCache | None:
+        if not self.node_cache_bytes or not self.node_cache_dir:
+            return None
+        return NodeCache(self.node_cache_dir, self.node_cache_bytes)
 
     def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
         """Materialize the samples at increasing ``positions`` of this rank's epoch."""
@@ -183,10 +203,19 @@ class RolloutDataset(IterableDataset[Sample]):
             i = j
 
     def _read_ahead(self, rows: Any, materializer: Materializer) -> None:
-        # Read these rows' media ahead (remote stores); images processed already are skipped.
-        if self._prefetcher is not None:
-            fp = self.adapter.fingerprint
-            self._prefetcher.feed_rows(rows, skip=lambda h: (h, fp) in materializer.cache)
+        # Read these rows' media ahead (remote stores), but images already processed, in this
+        # worker's cache or the node cache: those are never read, and would hold the bound.
+        if self._prefetcher is None:
+            return
+        fp, node = self.adapter.fingerprint, materializer.node_cache
+
+        def processed(h: str) -> bool:
+            if (h, fp) in materializer.cache:
+                return True
+            key = node.key(h, fp, *materializer._node_key) if node else ""
+            return node is not None and os.path.exists(os.path.join(node.directory, key))
+
+        self._prefetcher.feed_rows(rows, skip=processed)
 
     def __iter__(self) -> Iterator[Sample]:
         """Unbatched samples from ``self.position`` on (sharded by position across workers).
@@ -244,9 +273,11 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
-        cache = self.dataset.materializer().cache
+        materializer = self.dataset.materializer()
+        cache, node = materializer.cache, materializer.node_cache
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
+        node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
         for position, sample in self.dataset.samples(self.epoch, positions):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
@@ -263,6 +294,15 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
                     cache.misses - misses,
                 )
                 hits, misses = cache.hits, cache.misses
+                # Node level: images this worker found published by any process of the node,
+                # and images it processed itself (summed over a node: each distinct image once).
+                if node is not None:
+                    batch["node_cache_hits"] = node.hits - node_hits
+                    batch["node_cache_misses"] = node.misses - node_misses
+                    node_hits, node_misses = node.hits, node.misses
+                else:
+                    batch["node_cache_hits"] = 0
+                    batch["node_cache_misses"] = batch["cache_misses"]
                 pending = []
                 if info is None:
                     self.start = batch["batch_index"] + 1
@@ -299,6 +339,16 @@ class RolloutLoader:
     when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
     the fewest batches any rank has (computed from metadata), dropping the surplus of that
     epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every sample.
+
+    **Packed** (``max_tokens=T``): the loader yields micro-batches of at most ``T`` tokens
+    instead of padded batches (see :mod:`._microbatch` for what one holds). A step is
+    ``batch_size`` samples per rank: positions ``[s*B*W, (s+1)*B*W)`` of the epoch's global
+    order, packed all ranks together and dealt token-balanced, every rank the same
+    ``num_micro`` (see :mod:`._pack`). Every sample appears once per epoch on one rank; the
+    plan comes from footers and small columns only, identically on every rank; ``state_dict``
+    counts micro-batches, so a resume is exact at any micro-batch, any ``num_workers``.
+    A sample longer than the budget is refused when the epoch is planned
+    (:class:`SampleTooLongError`); ``max_len`` truncates first (whole images kept).
     """
 
     def __init__(
@@ -315,9 +365,19 @@ class RolloutLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        worker_threads: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if batch_size <= 0:
             raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+        if max_tokens is not None and drop_last:
+            raise InvalidArgumentError("drop_last does not apply to packed micro-batches")
+        self.max_tokens = max_tokens
+        self._planner = (
+            None
+            if max_tokens is None
+            else PackedPlanner(dataset, batch_size=batch_size, max_tokens=max_tokens)
+        )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -329,13 +389,17 @@ class RolloutLoader:
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
+        self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
 
     @property
     def model_input_names(self) -> tuple[str, ...]:
         """The batch keys the family's transformers model takes:
-        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs."""
+        ``model(**{k: batch[k] for k in loader.model_input_names})`` runs (packed: position
+        ids and no padding mask)."""
+        if self._planner is not None:
+            return packed_input_names(self.dataset.adapter)
         return self.dataset.adapter.model_input_names
 
     def set_epoch(self, epoch: int) -> None:
@@ -352,7 +416,10 @@ class RolloutLoader:
         self.batches_yielded = 0
 
     def __len__(self) -> int:
-        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks)."""
+        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks);
+        packed: micro-batches, the same number on every rank."""
+        if self._planner is not None:
+            return len(self._planner.plan(self.epoch)[0])
         ds = self.dataset
         ranks = range(ds.world_size) if self.even_ranks else [ds.rank]
         return min(
@@ -378,7 +445,16 @@ class RolloutLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
-        stream = self._stream(self.epoch, self.batches_yielded, total)
+        stream: IterableDataset[dict[str, Any]]
+        if self._planner is not None:
+            stream = PackedStream(
+                self._planner,
+                epoch=self.epoch,
+                start=self.batches_yielded,
+                pad_token_id=self.pad_token_id,
+            )
+        else:
+            stream = self._stream(self.epoch, self.batches_yielded, total)
         loader = DataLoader(
             stream,
             batch_size=None,
@@ -387,6 +463,7 @@ class RolloutLoader:
             pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
             timeout=self.timeout,
+            worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for batch in loader:
             if batch["images_missing"]:
@@ -412,6 +489,9 @@ class RolloutLoader:
             "rank": ds.rank,
             "world_size": ds.world_size,
             "window_units": ds.window_units,
+            "max_tokens": self.max_tokens,
+            # the plan's lengths are after truncation: a packed resume needs the same max_len
+            **({"max_len": ds.max_len} if self.max_tokens is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -448,6 +528,31 @@ def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
     keys = sorted(stored.keys() | mine.keys(), key=lambda k: (k != "family", k))
     differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
     return ", ".join(differ) or "the same parameters under another fingerprint"
+
+
+def check_worker_threads(threads: int | None, context: Any) -> int:
+    """Torch threads per DataLoader worker: 1 unless asked (as DataLoader sets by itself).
+
+    More than one is refused in forked workers: the parent's OpenMP thread pool does not
+    survive ``fork`` (libgomp), and a forked worker that starts more threads hangs. With a
+    ``spawn`` or ``forkserver`` context, ``threads`` (e.g. cores // num_workers) is safe.
+    """
+    if threads is None:
+        return 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+        raise InvalidArgumentError(f"worker_threads must be a positive int, got {threads!r}")
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    if threads > 1 and (method or multiprocessing.get_start_method()) == "fork":
+        raise InvalidArgumentError(
+            f"worker_threads={threads} needs multiprocessing_context='spawn' or 'forkserver': "
+            "forked workers hang when they start OpenMP threads"
+        )
+    return threads
+
+
+def init_worker(threads: int, worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: keep torch to ``threads`` threads in this worker."""
+    torch.set_num_threads(threads)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

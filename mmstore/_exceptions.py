@@ -4,6 +4,7 @@
 
     MmstoreError
     ├── InvalidRolloutError        (ValueError)      a row breaks an invariant; names sample + image
+    │   └── SampleTooLongError                       longer than the packed loader's max_tokens
     ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
     ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
     ├── WireFormatError            (ValueError)      a malformed wire-form image ref
@@ -126,3 +127,7 @@ class MediaNotFoundError(MediaError, FileNotFoundError):
 
 class HashMismatchError(MediaError, ValueError):
     """Media bytes whose content hash differs from the one referenced."""
+
+
+class SampleTooLongError(InvalidRolloutError):
+    """A sample longer than the packed loader's ``max_tokens`` (refused when planning)."""

@@ -23,6 +23,10 @@ put after the claim re-creates M (M is not deleted after all). A put before
 step 2 and M was marked: no such M. The mtime read in step 1 alone would not do: a writer
 can touch M after step 1 and commit after step 2; the re-check at the claim catches that.
 
+A gc killed between a claim and its decision leaves the only name of that media in
+``_staging/``; the next gc links every such claim back first (the claim keeps the media's
+name), so a file touched meanwhile is referenced again; until then it reads as missing.
+
 What is left: S3 has no atomic claim, so a put that lands between the HEAD and the DELETE
 (one round trip) of an unreferenced image older than the grace period can still lose it;
 keep the grace period far above any write's duration and clock skew between machines.
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._backends import STAGING, FileStat, LocalBackend
 from ._exceptions import DeleteFailedError, InvalidArgumentError
+from ._media import media_path
 from ._pins import pinned_hashes
 from ._refscan import media_hash, referenced_hashes, select_files
 from ._store import MEDIA, ROLLOUTS
@@ -149,6 +154,8 @@ def _collect(
     if grace_seconds < 0:
         raise InvalidArgumentError(f"grace_seconds must be >= 0, got {grace_seconds}")
     cutoff = time.time() - grace_seconds
+    if not dry_run:
+        _restore_claims(store)
     # Order matters (module docstring): candidates first, then the marks.
     media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]
     files = [f.path for f in store.rollout_files() if f.path not in ignore_files]
@@ -193,6 +200,39 @@ def _stale(backend: Backend, entry: FileStat, cutoff: float) -> bool:
     return True
 
 
+def claim_path(rel: str) -> str:
+    """Where gc moves media ``rel`` while it decides: the name is kept, so that a claim left
+    by a killed gc can be put back."""
+    return f"{STAGING}/{CLAIM_PREFIX}{uuid.uuid4().hex}-{rel.rsplit('/', 1)[1]}"
+
+
+def _restore_claims(store: Store) -> None:
+    """Put back media whose claim a killed gc left in ``_staging/``.
+
+    Between its claim (a rename) and its decision, a gc holds the only name of a media file;
+    killed there, a file touched by a writer meanwhile (and referenced by rows committed
+    since) would be lost. Linking every claim back under its media name is always safe: it
+    is the same content under its own name, and what nothing references is swept again
+    below. A claim of a gc running right now is put back too: that gc's delete then leaves
+    the file in place, to be collected next time.
+    """
+    backend = store.backend
+    if not isinstance(backend, LocalBackend):
+        return  # S3 gc claims nothing
+    for entry in store.staging_files():
+        name = entry.path.rsplit("/", 1)[1]
+        if not name.startswith(CLAIM_PREFIX):
+            continue
+        media = name[len(CLAIM_PREFIX) :].partition("-")[2]
+        digest, _, ext = media.partition(".")
+        rel = media_path(digest, ext) if ext else ""
+        if media_hash(rel) != digest:
+            continue  # an older claim name, or not a claim of ours
+        os.makedirs(os.path.dirname(backend.abspath(rel)), exist_ok=True)
+        with contextlib.suppress(FileExistsError, FileNotFoundError):
+            os.link(backend.abspath(entry.path), backend.abspath(rel))
+
+
 def _sweep(backend: Backend, media: FileStat, cutoff: float) -> bool:
     """Delete one unmarked media file if it is still older than ``cutoff``; True if deleted."""
     if isinstance(backend, LocalBackend):
@@ -207,7 +247,7 @@ def _sweep(backend: Backend, media: FileStat, cutoff: float) -> bool:
 def _sweep_local(backend: LocalBackend, rel: str, cutoff: float) -> bool:
     """Claim by rename, so no touch can slip between the mtime check and the unlink."""
     source = backend.abspath(rel)
-    claimed = backend.abspath(f"{STAGING}/{CLAIM_PREFIX}{uuid.uuid4().hex}.tmp")
+    claimed = backend.abspath(claim_path(rel))
     os.makedirs(os.path.dirname(claimed), exist_ok=True)
     try:
         os.rename(source, claimed)

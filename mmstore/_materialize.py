@@ -1,7 +1,12 @@
 """Rows -> training samples: verified media reads, decode, the real processor, dtype cast.
 
 Runs inside DataLoader workers. Each worker keeps a byte-bounded cache of processed images
-keyed by (hash, fingerprint), so the samples of a GRPO group process their shared image once.
+keyed by (hash, fingerprint), so the samples of a worker's batches process a shared image
+once. On its miss, the node-wide cache (:mod:`._node_cache`, optional) is asked next: a GRPO
+group's image, whose samples land in other workers and on other ranks of the machine, is
+processed once per node. Both caches sit behind the URI trust check, which runs on every
+image; media bytes are hash-checked whenever they are read, and the cached pixels are keyed
+by that hash, so no cache ever serves pixels of other bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ._exceptions import (
     MmstoreError,
 )
 from ._models import ImageRef
+from ._node_cache import NodeCache, processor_digest
 from ._rowcheck import CheckedRow, RowWindow, family_checker
 from ._schema import ROLLOUT_SCHEMA
 
@@ -85,6 +91,7 @@ class Materializer:
         missing: MissingPolicy = "error",
         max_len: int | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        node_cache: NodeCache | None = None,
     ) -> None:
         check_missing_policy(missing)
         self.store = store
@@ -94,6 +101,12 @@ class Materializer:
         self.max_len = max_len
         self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
         self.media: Any = store  # or a Prefetcher (._prefetch): same open_image, read ahead
+        self.node_cache = node_cache
+        # Everything besides hash and fingerprint that decides the pixels: the train dtype
+        # and the processor's whole configuration and class (backend, normalization).
+        self._node_key = (
+            (str(dtype), processor_digest(adapter.image_processor)) if node_cache else ()
+        )
 
     def samples(self, table: pa.Table) -> Iterator[Sample]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
@@ -153,7 +166,11 @@ class Materializer:
         if cached is not None:
             return cached
         try:
-            image = self.media.open_image(ref.uri, ref.hash)
+            if self.node_cache is None:
+                outputs = self._process(ref)
+            else:
+                node_key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
+                outputs = self.node_cache.get_or_compute(node_key, lambda: self._process(ref))
         except MediaNotFoundError as exc:
             if self.missing == "error":
                 raise with_context(exc, **where) from None
@@ -161,8 +178,9 @@ class Materializer:
             return self._placeholder(ref)
         except MmstoreError as exc:
             raise with_context(exc, **where) from None
-        outputs = cast_floats(self.adapter.process([image]), self.dtype)
         try:
+            # On a node-cache hit too: the pixels fit this hash, the check ties them to this
+            # ref's size and span.
             self.adapter.check_output(
                 outputs, ref, sample_id=where.get("sample_id"), image_index=where["image_index"]
             )
@@ -171,6 +189,11 @@ class Materializer:
         nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
         self.cache.put(key, outputs, nbytes)
         return outputs
+
+    def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
+        """Verified read, decode, the processor, floats cast to the train dtype."""
+        image = self.media.open_image(ref.uri, ref.hash)
+        return cast_floats(self.adapter.process([image]), self.dtype)
 
     def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
         """Refuse an untrusted URI, hit or miss: cached pixels must not serve a URI nobody

@@ -32,6 +32,9 @@ import torch
 import xxhash
 from filelock import FileLock
 
+# The default bound of a RolloutDataset's node cache, where /dev/shm (or
+# $MMSTORE_NODE_CACHE) is usable.
+DEFAULT_NODE_CACHE_BYTES = 2 * 2**30
 # Temporary files older than this whose writer may have died are swept.
 STALE_SECONDS = 600
 _HEADER = 4  # bytes of the little-endian header length that opens an entry

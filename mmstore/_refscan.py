@@ -209,8 +209,10 @@ def _level_entries(column: pa.ChunkedArray) -> int | None:
     )
     if any(pa.types.is_nested(t) for t in fields):
         return None
-    lengths = pc.fill_null(pc.list_value_length(column), 0)
-    return int(pc.sum(pc.max_element_wise(lengths, 1)).as_py() or 0)
+    # From the offsets (a null list spans nothing, as an empty one): microseconds a chunk.
+    return sum(
+        int(np.maximum(np.diff(chunk.offsets.to_numpy()), 1).sum()) for chunk in column.chunks
+    )
 
 
 def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:

@@ -7,10 +7,12 @@ that neutral form, and a test keeps the two equal.
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ._exceptions import SchemaVersionError
@@ -22,6 +24,10 @@ META_SCHEMA_VERSION = b"mmstore.schema_version"
 META_RUN_ID = b"mmstore.run_id"
 META_STEP = b"mmstore.step"
 META_LAYOUTS = b"mmstore.layouts"
+# Each row's token count, in row order: base64 of little-endian int32. The packed loader plans
+# an epoch from these without reading a token list; a file without it (an older mmstore, or
+# another Parquet engine) is still read, its lengths taken from the ``tokens`` lists.
+META_NUM_TOKENS = b"mmstore.num_tokens"
 
 IMAGE_REF_TYPE = pa.struct(
     [
@@ -64,14 +70,36 @@ ROLLOUT_SCHEMA = pa.schema(
 PARTITION_FIELDS = (pa.field("run_id", pa.string()), pa.field("step", pa.int32()))
 
 
-def file_metadata(run_id: str, step: int, layouts: dict[str, Any]) -> dict[bytes, bytes]:
-    """Key-value metadata of one rollout Parquet file."""
+def file_metadata(
+    run_id: str, step: int, layouts: dict[str, Any], num_tokens: Sequence[int] = ()
+) -> dict[bytes, bytes]:
+    """Key-value metadata of one rollout Parquet file (``num_tokens``: each row's count)."""
     return {
         META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
         META_RUN_ID: run_id.encode(),
         META_STEP: str(step).encode(),
         META_LAYOUTS: json.dumps(layouts, sort_keys=True).encode(),
+        META_NUM_TOKENS: encode_num_tokens(num_tokens),
     }
+
+
+def encode_num_tokens(num_tokens: Sequence[int]) -> bytes:
+    return base64.b64encode(np.asarray(num_tokens, dtype="<i4").tobytes())
+
+
+def decode_num_tokens(metadata: Mapping[bytes, bytes] | None, num_rows: int) -> np.ndarray | None:
+    """The per-row token counts a file's footer records, or None (absent or not ``num_rows``)."""
+    raw = (metadata or {}).get(META_NUM_TOKENS)
+    if raw is None:
+        return None
+    try:
+        counts = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4")
+    except ValueError:
+        return None
+    # A footer that does not describe exactly these rows is ignored, never trusted.
+    if len(counts) != num_rows or (counts < 0).any():
+        return None
+    return counts.astype(np.int64)
 
 
 def check_schema_version(metadata: Mapping[Any, Any] | None, *, where: str) -> int:
@@ -133,7 +161,8 @@ def describe(schema: pa.Schema = ROLLOUT_SCHEMA) -> dict[str, Any]:
             "fields": [_describe_field(f) for f in PARTITION_FIELDS],
         },
         "key_value_metadata": [
-            k.decode() for k in (META_SCHEMA_VERSION, META_RUN_ID, META_STEP, META_LAYOUTS)
+            k.decode()
+            for k in (META_SCHEMA_VERSION, META_RUN_ID, META_STEP, META_LAYOUTS, META_NUM_TOKENS)
         ],
         "fields": [_describe_field(f) for f in schema],
     }

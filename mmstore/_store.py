@@ -139,7 +139,8 @@ class Store:
         the pixel limit; puts read headers only (a corrupt body fails when it is decoded,
         with :class:`ImageDecodeError`). A put of bytes already present writes nothing new
         and renews the file's timestamp, so gc's grace period protects rows about to
-        reference it.
+        reference it; a damaged file at that path (other bytes) is replaced with the good
+        ones, locally after a byte comparison, on S3 by the PUT every put sends.
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise InvalidArgumentError(
@@ -215,6 +216,21 @@ class Store:
         return decode_rgb(
             self.read_media(uri, expected_hash), max_pixels=self.max_image_pixels, where=uri
         )
+
+    def sync_media(self, uris: Iterable[str]) -> None:
+        """Make the store media at ``uris`` durable (a commit's referenced media; ``put_media``
+        does not fsync). Media under trusted external roots is not ours to sync."""
+        rels = []
+        for uri in uris:
+            backend, rel = self.resolve(uri)
+            if backend is self.backend:
+                rels.append(rel)
+        try:
+            self.backend.sync(rels)
+        except FileNotFoundError as exc:
+            raise MediaNotFoundError(
+                "referenced media vanished before its rows committed", uri=exc.filename
+            ) from None
 
     def media_stat(self, uri: str) -> FileStat | None:
         """Size and timestamp of the media at ``uri``, or None if absent (no hash check)."""

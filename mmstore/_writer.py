@@ -168,7 +168,9 @@ class RolloutWriter:
         self._run_layouts: list[Layout] | None = None
         self._sample_ids: set[str] = set()
         self._known_media: set[tuple[str, str]] = set()
+        self._unsynced: set[str] = set()  # URIs the uncommitted rows reference
         self._pending: list[dict[str, Any]] = []
+        self._num_tokens: list[int] = []  # of every row in the open file, for its footer
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
@@ -220,7 +222,9 @@ class RolloutWriter:
         # Accepted: only now does the row touch the writer's state.
         self._layouts.update(used)
         self._sample_ids.add(rollout.sample_id)
+        self._unsynced.update(ref.uri for ref in rollout.images)
         self._pending.append(_buffered(rollout))
+        self._num_tokens.append(len(rollout.tokens))
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
 
@@ -262,8 +266,9 @@ class RolloutWriter:
     def commit(self) -> str | None:
         """Make every row written so far visible as one Parquet file; return its path.
 
-        All media the rows reference was made durable by ``put_media`` before ``write``
-        accepted them, so a committed file never points at missing bytes. If the commit fails
+        First every media file the rows reference is made durable (``put_media`` does not
+        fsync; one batch of fsyncs here, including copies another writer put), then the
+        Parquet file, so a committed file never points at missing or torn bytes. If the commit fails
         (disk full, an unusable ``_staging``), the encoded file is kept and nothing torn is
         left behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
         """
@@ -278,12 +283,14 @@ class RolloutWriter:
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
+        self.store.sync_media(self._unsynced)
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
         # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
         # file in place; any other file under this writer's unique name is not ours.
         if not written and self.store.backend.read(rel) != self._encoded:
             raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
         self._encoded = None
+        self._unsynced = set()
         self.committed.append(rel)
         return rel
 
@@ -291,7 +298,8 @@ class RolloutWriter:
         """Close the Parquet writer and return the whole file."""
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
-        metadata = file_metadata(self.run_id, self.step, layouts)
+        metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
+        self._num_tokens = []
         self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
         self._parquet.close()
         data: bytes = self._sink.getvalue().to_pybytes()
@@ -302,6 +310,7 @@ class RolloutWriter:
         """Drop everything not yet committed and close the writer."""
         self._pending = []
         self._encoded = None
+        self._num_tokens = []
         if self._parquet is not None:
             self._parquet.close()
         self._parquet = self._sink = None

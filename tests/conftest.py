@@ -27,6 +27,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 SMALL_MAX_PIXELS = 256 * 28 * 28
 
 
+@pytest.fixture(autouse=True)
+def _own_node_cache(tmp_path_factory, monkeypatch):
+    """Each test its own node-wide pixel cache: pixels cached by one test (whose media a
+    later test corrupts or deletes) must not answer for another."""
+    monkeypatch.setenv("MMSTORE_NODE_CACHE", str(tmp_path_factory.mktemp("node-cache")))
+
+
 @pytest.fixture(scope="session")
 def qwen2_processor() -> Qwen2VLImageProcessorPil:
     """Qwen2-VL's image processor with its published defaults (patch 14, merge 2)."""

@@ -15,6 +15,7 @@ from mmstore import _exceptions
 # (error, the built-in a caller would catch): DESIGN.md's names first, then the rest.
 TREE = [
     (mmstore.InvalidRolloutError, ValueError),
+    (mmstore.SampleTooLongError, ValueError),
     (mmstore.HashMismatchError, ValueError),
     (mmstore.MediaNotFoundError, FileNotFoundError),
     (mmstore.UntrustedURIError, PermissionError),

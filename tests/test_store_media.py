@@ -91,14 +91,15 @@ def test_local_second_put_writes_nothing_but_renews_mtime(store, monkeypatch):
     assert fsyncs == []  # nothing written, nothing to sync
 
 
-def test_local_new_put_is_staged_fsynced_and_linked(store, monkeypatch):
+def test_local_new_put_is_staged_and_linked_and_synced_at_commit(store, monkeypatch):
     synced = spy_fsync(monkeypatch)
     media = store.put_media(image_bytes(3))
     path = store.backend.abspath(media.uri)
     staging = store.backend.abspath("_staging")
-    assert any(p.startswith(staging + os.sep) for p in synced)  # the bytes, before the link
-    assert os.path.dirname(path) in synced  # the directory entry of the link
+    assert synced == []  # durability is the commit's job (tests/test_durable_writes.py)
     assert os.listdir(staging) == []  # the staging name is gone
+    store.sync_media([media.uri])
+    assert path in synced and os.path.dirname(path) in synced
     assert os.stat(path).st_nlink == 1
 
 

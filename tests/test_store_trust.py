@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore import _backends, _refscan
+from mmstore import _backends, _lifecycle, _refscan
 from mmstore.cli import main
 from mmstore.integrations.vllm import resolve_wire_refs
 from tests.rows import commit
@@ -385,3 +385,20 @@ def test_stats_on_forged_footer_layouts_is_one_line(store, adapter, capsys, layo
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "layouts" in err and rel in err
+
+
+# -- kill -9 during gc: a claim left behind is put back ---------------------------------
+
+
+def test_gc_puts_back_media_a_killed_gc_left_claimed(store, adapter):
+    media = store.put_media(image_bytes(14))
+    path = store.backend.abspath(media.uri)
+    # A gc listed it unreferenced and old; a writer renewed it and committed a row using it
+    # after the gc's marks; the gc claimed it, and was killed before it put it back.
+    with store.writer(run_id="r", step=0) as w:
+        w.write(make_row(adapter, [media], "s0"))
+    os.rename(path, store.backend.abspath(_lifecycle.claim_path(media.uri)))
+    assert not mmstore.verify(store).ok
+    report = mmstore.gc(store, grace_seconds=0)
+    assert report.deleted == [] and os.path.exists(path)
+    assert mmstore.verify(store).ok

@@ -1,0 +1,194 @@
+"""Issue 14's figures: the torchvision backend, the node-wide pixel cache, durable writes.
+
+    python -m benchmarks.bench_speed --scale 1 --reps 5 [--out DIR]
+
+Every figure is oriented so that HIGHER = mmstore better (a ratio of throughputs, or of
+baseline time over mmstore time), measured in one run, interleaved, median with spread:
+
+- ``distinct.*``: one image per sample, nothing shared, 2 DataLoader workers. mmstore with
+  the torchvision backend over the limit with the same backend (workers / (decode +
+  processor seconds per image)), over a naive map-style Dataset with the PIL backend (what
+  users run today) and with the torchvision backend; PIL and torchvision side by side.
+- ``grpo8.*``: GRPO groups of 8 sharing their image, 2 workers x 2 simulated ranks (rank 0
+  then rank 1, one shared node cache directory, fresh per repetition), over the limit of 2
+  workers; the node cache's miss count next to the number of distinct images.
+- ``write.plain_fsync_over_mmstore``: plain file writes with one fsync per file over mmstore
+  writes of the same bytes (benchmarks/bench_write.py), time over time.
+
+At ``--scale`` below 0.5 images are a third of their size: figures are noisy, for checking
+the suite runs, not for quoting. Results go to ``--out`` (default: a scratch folder, never
+``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from torch.utils.data import DataLoader
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+import mmstore
+from benchmarks import bench_write
+from benchmarks._common import WORKLOADS, interleaved
+from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, images_per_s
+
+WORKERS = 2
+BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcessor}
+
+
+def _limit(paths: list[list[str]], proc: Any, n: int = 8) -> float:
+    """Images/s if each worker's core only decoded and processed (single-threaded)."""
+    from PIL import Image
+
+    costs = []
+    for p in sorted({p for ps in paths for p in ps})[:n]:
+        start = time.perf_counter()
+        proc(images=[Image.open(p).convert("RGB")], return_tensors="pt")
+        costs.append(time.perf_counter() - start)
+    return WORKERS / statistics.median(costs)
+
+
+def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
+    spec = {**WORKLOADS["photos"], "kind": "screenshot", "image_size": (1920, 1080)}
+    if small:
+        spec["image_size"] = (640, 360)
+    procs = {name: cls() for name, cls in BACKENDS.items()}
+    store, paths = build(f"{tmp}/distinct", spec, samples, procs["pil"])
+
+    def ours(name: str) -> float:
+        ds = mmstore.RolloutDataset(store, procs[name], seed=0, node_cache_bytes=0)
+        return images_per_s(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
+
+    def naive(name: str) -> float:
+        data = NaiveDataset(paths, procs[name])
+        return images_per_s(DataLoader(data, BATCH, num_workers=WORKERS, collate_fn=_cat))
+
+    figures = interleaved(
+        {
+            "limit_torchvision": lambda: _limit(paths, procs["torchvision"]),
+            "mmstore_torchvision": lambda: ours("torchvision"),
+            "naive_pil": lambda: naive("pil"),
+            "naive_torchvision": lambda: naive("torchvision"),
+            "limit_pil": lambda: _limit(paths, procs["pil"]),
+            "mmstore_pil": lambda: ours("pil"),
+        },
+        reps,
+    )
+    med = {k: v["median"] for k, v in figures.items()}
+    return {
+        "images_per_s": figures,
+        "torchvision_over_limit": med["mmstore_torchvision"] / med["limit_torchvision"],
+        "torchvision_over_naive_pil": med["mmstore_torchvision"] / med["naive_pil"],
+        "torchvision_over_naive_torchvision": med["mmstore_torchvision"] / med["naive_torchvision"],
+        "pil_over_limit": med["mmstore_pil"] / med["limit_pil"],
+        "pil_over_naive_pil": med["mmstore_pil"] / med["naive_pil"],
+        "torchvision_over_pil": med["mmstore_torchvision"] / med["mmstore_pil"],
+    }
+
+
+def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
+    spec = {**WORKLOADS["screenshots"], "images_per_sample": 1}
+    if small:
+        spec["image_size"] = (640, 360)
+    proc = Qwen2VLImageProcessor()
+    store, paths = build(f"{tmp}/grpo8", spec, samples, proc)
+    counts: list[dict[str, int]] = []
+
+    def ours() -> float:
+        cache_dir = tempfile.mkdtemp(dir=tmp)  # a fresh node: nothing cached yet
+        start, images, tally = time.perf_counter(), 0, {"hits": 0, "misses": 0}
+        for rank in (0, 1):
+            ds = mmstore.RolloutDataset(
+                store, proc, seed=0, rank=rank, world_size=2, node_cache_dir=cache_dir
+            )
+            for b in mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS):
+                images += int(b["image_grid_thw"].shape[0])
+                tally["hits"] += b["node_cache_hits"]
+                tally["misses"] += b["node_cache_misses"]
+        counts.append(tally)
+        return images / (time.perf_counter() - start)
+
+    figures = interleaved({"limit": lambda: _limit(paths, proc), "mmstore": ours}, reps)
+    med = {k: v["median"] for k, v in figures.items()}
+    return {
+        "images_per_s": figures,
+        "over_limit": med["mmstore"] / med["limit"],
+        "distinct_images": len({p for ps in paths for p in ps}),
+        "images": sum(len(ps) for ps in paths),
+        "node_cache_per_rep": counts,
+    }
+
+
+def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
+    small = scale < 0.5
+    samples = max(16, round(64 * scale))
+    with tempfile.TemporaryDirectory() as tmp:
+        result: dict[str, Any] = {
+            "scale": scale,
+            "reps": reps,
+            "cores": os.cpu_count(),
+            "direction": "every ratio: higher = mmstore better",
+            "distinct": distinct(tmp, samples, small, reps),
+            "grpo8": grpo8(tmp, samples, small, reps),
+        }
+    written = bench_write.run(scale, reps)
+    result["write"] = {
+        "plain_fsync_over_mmstore": 1 / written["mmstore_over_plain_fsync"],
+        "raw": {k: v for k, v in written.items() if k != "encodings"},
+    }
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    d, g, w = result["distinct"], result["grpo8"], result["write"]
+    rows = [
+        ("loader tv / limit tv, distinct", d["torchvision_over_limit"], ">= 0.9"),
+        ("loader tv / naive PIL Dataset", d["torchvision_over_naive_pil"], ">= 1.5"),
+        ("loader tv / naive tv Dataset", d["torchvision_over_naive_torchvision"], ">= 1.2"),
+        ("loader PIL / limit PIL, distinct", d["pil_over_limit"], ""),
+        ("loader PIL / naive PIL Dataset", d["pil_over_naive_pil"], ""),
+        ("loader tv / loader PIL", d["torchvision_over_pil"], ""),
+        ("GRPO-8 2x2 loader / limit", g["over_limit"], ">= 6"),
+        ("plain+fsync write time / mmstore", w["plain_fsync_over_mmstore"], ">= 0.67"),
+    ]
+    lines = [
+        f"Scale {result['scale']}, {result['reps']} reps, {result['cores']} cores. "
+        "Every figure: higher = mmstore better (medians; spread in the JSON).",
+        "",
+        "| figure | value | issue 14 target |",
+        "|---|---|---|",
+        *(f"| {name} | {value:.2f} | {target} |" for name, value, target in rows),
+        "",
+        f"GRPO-8 node cache: {g['distinct_images']} distinct images of {g['images']}; "
+        f"per repetition (hits, misses): "
+        + ", ".join(f"({c['hits']}, {c['misses']})" for c in g["node_cache_per_rep"]),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="folder for speed.json/.md (scratch)")
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="mmstore-bench-speed-")
+    result = run(args.scale, args.reps)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "speed.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, "speed.md"), "w") as f:
+        f.write(table(result) + "\n")
+    print(table(result))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

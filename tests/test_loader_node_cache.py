@@ -1,0 +1,124 @@
+"""The node-wide pixel cache wired into the loader (issue 14, item 2), and worker threads."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import mmstore
+from mmstore._dataset import init_worker
+from tests.store_workers import SMALL_MAX_PIXELS, image_bytes, make_row, small_adapter
+
+GROUPS, GROUP_SIZE = 4, 8
+
+
+@pytest.fixture
+def grpo_store(tmp_path):
+    """GRPO groups of 8 samples sharing their prompt image; 4 distinct images."""
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = small_adapter()
+    with store.writer(run_id="r", step=0, adapter=adapter, row_group_size=4) as w:
+        for g in range(GROUPS):
+            media = store.put_media(image_bytes(100 + g))
+            for i in range(GROUP_SIZE):
+                w.write(make_row(adapter, [media], f"g{g}-{i}", group_id=f"g{g}"))
+    return store
+
+
+def processor():
+    return Qwen2VLImageProcessorPil(max_pixels=SMALL_MAX_PIXELS)
+
+
+def batches(store, directory, *, rank=0, world_size=1, workers=0, node_cache_bytes=None):
+    ds = mmstore.RolloutDataset(
+        store,
+        processor(),
+        rank=rank,
+        world_size=world_size,
+        node_cache_dir=str(directory),
+        node_cache_bytes=node_cache_bytes,
+    )
+    return list(mmstore.RolloutLoader(ds, batch_size=2, num_workers=workers))
+
+
+def test_pixels_from_the_node_cache_equal_the_processors(grpo_store, tmp_path):
+    directory = tmp_path / "node"
+    plain = batches(grpo_store, directory, node_cache_bytes=0)
+    first = batches(grpo_store, directory)  # computes and publishes
+    again = batches(grpo_store, directory)  # a fresh process-level cache: node hits only
+    assert sum(b["node_cache_misses"] for b in first) == GROUPS
+    assert sum(b["node_cache_misses"] for b in again) == 0
+    assert sum(b["node_cache_hits"] for b in again) == GROUPS
+    for a, b, c in zip(plain, first, again, strict=True):
+        assert a["sample_ids"] == b["sample_ids"] == c["sample_ids"]
+        assert a["pixel_values"].dtype == c["pixel_values"].dtype == torch.bfloat16
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+        assert torch.equal(a["pixel_values"], c["pixel_values"])
+        assert torch.equal(a["image_grid_thw"], c["image_grid_thw"])
+
+
+def test_each_distinct_image_is_processed_once_per_node(grpo_store, tmp_path):
+    """2 DataLoader workers x 2 simulated ranks of one node, sharing one directory."""
+    directory = tmp_path / "node"
+    out = [
+        b
+        for rank in (0, 1)
+        for b in batches(grpo_store, directory, rank=rank, world_size=2, workers=2)
+    ]
+    assert sorted(s for b in out for s in b["sample_ids"]) == sorted(
+        f"g{g}-{i}" for g in range(GROUPS) for i in range(GROUP_SIZE)
+    )
+    # Every worker-level miss went to the node cache; the node processed each image once.
+    assert sum(b["node_cache_misses"] for b in out) == GROUPS
+    assert sum(b["node_cache_hits"] + b["node_cache_misses"] for b in out) == sum(
+        b["cache_misses"] for b in out
+    )
+    assert sum(b["cache_misses"] for b in out) > GROUPS  # what a per-worker cache costs
+
+
+def test_node_cache_off(grpo_store, tmp_path):
+    out = batches(grpo_store, tmp_path / "node", node_cache_bytes=0)
+    assert sum(b["node_cache_hits"] for b in out) == 0
+    assert not (tmp_path / "node").exists()
+    with pytest.raises(ValueError):
+        batches(grpo_store, tmp_path / "node", node_cache_bytes=-1)
+
+
+def test_the_default_is_on_where_a_directory_is_usable(grpo_store, monkeypatch, tmp_path):
+    monkeypatch.setenv("MMSTORE_NODE_CACHE", str(tmp_path / "env"))
+    ds = mmstore.RolloutDataset(grpo_store, processor())
+    assert ds.node_cache_dir == str(tmp_path / "env") and ds.node_cache_bytes == 2 * 2**30
+
+
+class _Threads(IterableDataset):
+    def __iter__(self):
+        yield torch.get_num_threads()
+
+
+def test_a_spawned_worker_runs_the_threads_it_is_given():
+    loader = DataLoader(
+        _Threads(),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="spawn",
+        worker_init_fn=functools.partial(init_worker, 2),
+    )
+    assert list(loader) == [2]
+
+
+def test_rolloutloader_worker_threads(grpo_store):
+    ds = mmstore.RolloutDataset(grpo_store, processor())
+    assert mmstore.RolloutLoader(ds, num_workers=2).worker_threads == 1
+    spawned = mmstore.RolloutLoader(
+        ds, num_workers=2, worker_threads=2, multiprocessing_context="spawn"
+    )
+    assert spawned.worker_threads == 2
+    # Forked workers hang once they start OpenMP threads: refused, typed.
+    with pytest.raises(mmstore.InvalidArgumentError, match="spawn"):
+        mmstore.RolloutLoader(ds, num_workers=2, worker_threads=2, multiprocessing_context="fork")
+    with pytest.raises(mmstore.InvalidArgumentError):
+        mmstore.RolloutLoader(ds, worker_threads=0)

@@ -1,0 +1,129 @@
+"""The model agrees: each sample's logits inside a packed micro-batch equal its logits when it
+runs alone (fp32, atol 1e-4), with sdpa and eager attention.
+
+Alone, the model computes its own position ids (its rope-index function); packed, it takes the
+micro-batch's, and finds the sample boundaries from their text row. One table entry per family:
+(image-processor fixture, model builder). The 1-D RoPE families (GLM-4V is M-RoPE; Kimi-K2.5,
+Gemma 3, Pixtral are 1-D) are not on main yet; each adds one entry here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import mmstore
+from tests.test_packing import write_mixed
+
+
+def qwen2_vl(attn: str) -> torch.nn.Module:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=151680,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+    )
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+FAMILIES = {"qwen2-vl": ("small_processor", qwen2_vl)}
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory, small_processor):
+    store = mmstore.Store.open(tmp_path_factory.mktemp("packmodel") / "s", create=True)
+    write_mixed(store, mmstore.adapter_for(small_processor), steps=1)
+    return store
+
+
+def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(hidden)  # the model's logits, for a slice of positions only
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_sample_in_a_micro_batch_matches_it_alone(request, model_store, family, attn):
+    fixture, build = FAMILIES[family]
+    processor = request.getfixturevalue(fixture)
+    model = build(attn)
+    ds = mmstore.RolloutDataset(model_store, processor, dtype=torch.float32, world_size=2, rank=0)
+    loader = mmstore.RolloutLoader(ds, batch_size=6, max_tokens=700)
+    adapter = ds.adapter
+    checked = packed_many = 0
+    with torch.no_grad():
+        for batch in itertools.islice(loader, 4):  # logits over a 151k vocabulary: a few
+            inputs = {k: batch[k] for k in loader.model_input_names}
+            hidden = model.model(**inputs).last_hidden_state[0]
+            cu = batch["cu_seqlens"].tolist()
+            grids = batch["image_grid_thw"]
+            pixels = batch["pixel_values"]
+            image_at, patch_at = 0, 0
+            packed_many += len(cu) > 2
+            for i in range(len(cu) - 1):
+                ids = batch["input_ids"][:, cu[i] : cu[i + 1]]
+                n_images = _count_spans(ids[0], adapter.image_token_id)
+                grid = grids[image_at : image_at + n_images]
+                patches = int(grid.prod(-1).sum())
+                alone = {
+                    "input_ids": ids,
+                    **adapter.token_types(ids),
+                    "pixel_values": pixels[patch_at : patch_at + patches],
+                    "image_grid_thw": grid,
+                }
+                image_at, patch_at = image_at + n_images, patch_at + patches
+                if batch["is_filler"][i]:
+                    continue
+                if not n_images:
+                    alone = {k: alone[k] for k in ("input_ids", "mm_token_type_ids")}
+                expected = logits(model, model.model(**alone).last_hidden_state[0])
+                got = logits(model, hidden[cu[i] : cu[i + 1]])
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+                checked += 1
+    assert checked >= 4
+    assert packed_many > 0, "the fixture must pack several samples into one micro-batch"
+
+
+def _count_spans(ids: torch.Tensor, token: int) -> int:
+    flags = (ids == token).int()
+    return int((torch.diff(flags, prepend=torch.zeros(1, dtype=flags.dtype)) == 1).sum())
+
+
+def test_qwen_position_ids_are_the_models_own(model_store, small_processor):
+    """Per sample, the family's M-RoPE rows equal the real model's get_rope_index."""
+    model = qwen2_vl("sdpa")
+    ds = mmstore.RolloutDataset(model_store, small_processor, dtype=torch.float32)
+    loader = mmstore.RolloutLoader(ds, batch_size=4, max_tokens=700)
+    batch = next(b for b in loader if b["pixel_values"].shape[0])
+    cu = batch["cu_seqlens"].tolist()
+    ids = batch["input_ids"][:, cu[0] : cu[1]]
+    n = _count_spans(ids[0], ds.adapter.image_token_id)
+    expected, _ = model.model.get_rope_index(
+        ids, ds.adapter.token_types(ids)["mm_token_type_ids"], batch["image_grid_thw"][:n]
+    )
+    assert torch.equal(batch["position_ids"][1:, :, cu[0] : cu[1]], expected)
