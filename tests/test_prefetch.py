@@ -19,7 +19,10 @@ def _filled(store, adapter, images=6):
 
 
 def _batches(store, processor, **kwargs):
-    ds = mmstore.RolloutDataset(store, processor, seed=3, dtype=torch.float32, **kwargs)
+    # No node cache: every image is read (and compared), none served from disk.
+    ds = mmstore.RolloutDataset(
+        store, processor, seed=3, dtype=torch.float32, node_cache_bytes=0, **kwargs
+    )
     return ds, list(mmstore.RolloutLoader(ds, batch_size=3))
 
 
@@ -65,7 +68,7 @@ def test_a_missing_image_is_still_a_typed_error_naming_the_sample(
 ):
     refs = _filled(s3_store, adapter)
     s3_store.backend.delete(refs[2].uri)
-    ds = mmstore.RolloutDataset(s3_store, small_processor, shuffle=False)
+    ds = mmstore.RolloutDataset(s3_store, small_processor, shuffle=False, node_cache_bytes=0)
     with pytest.raises(mmstore.MediaNotFoundError) as info:
         list(mmstore.RolloutLoader(ds, batch_size=3))
     assert isinstance(ds._prefetcher, Prefetcher)
@@ -87,3 +90,20 @@ def test_a_hash_mismatch_read_ahead_is_still_refused(s3_store, adapter):
 def test_prefetch_bounds_must_be_positive(s3_store):
     with pytest.raises(mmstore.InvalidArgumentError):
         Prefetcher(s3_store, max_requests=0)
+
+
+def test_images_in_the_node_cache_are_not_read_ahead(
+    s3_store, adapter, small_processor, tmp_path, monkeypatch
+):
+    _filled(s3_store, adapter)
+    cached = {"node_cache_dir": str(tmp_path / "node"), "node_cache_bytes": 2**26}
+    ds = mmstore.RolloutDataset(s3_store, small_processor, **cached)
+    first = list(mmstore.RolloutLoader(ds, batch_size=3))
+    reads = []
+    real = s3_store.read_media
+    monkeypatch.setattr(s3_store, "read_media", lambda *a: reads.append(a) or real(*a))
+    again = mmstore.RolloutDataset(s3_store, small_processor, **cached)
+    second = list(mmstore.RolloutLoader(again, batch_size=3))
+    assert isinstance(again._prefetcher, Prefetcher)
+    assert [b["sample_ids"] for b in second] == [b["sample_ids"] for b in first]
+    assert reads == []  # every image came from the node cache; none was fetched for nothing
