@@ -5,8 +5,8 @@
 A store of photo-like JPEGs (one distinct image per sample: every image is a read) is
 written to moto_server on loopback; the loader reads it through a proxy (``_s3.py``) that
 adds ``0`` or ``30`` ms to every request. Four configurations, interleaved A B C D over the
-repetitions, each a fresh dataset (a cold cache), single process (``num_workers=0``), timed
-in wall seconds (latency is waiting, not CPU):
+repetitions after one untimed warm-up pass, each a fresh dataset (a cold cache, no node
+cache), single process (``num_workers=0``), timed in wall seconds (latency is waiting):
 
 - ``prefetch``: the default on a remote store (``._prefetch``: reads ahead, bounded);
 - ``serial``: ``prefetch_requests=0``, one blocking read per image, the loader before it.
@@ -52,7 +52,10 @@ def _write(port: int, bucket: str, samples: int, proc: Any) -> None:
 
 def samples_per_s(port: int, bucket: str, proc: Any, prefetch: bool) -> float:
     store = mmstore.Store.open(f"s3://{bucket}/store", s3_options=_s3.s3_options(port))
-    ds = mmstore.RolloutDataset(store, proc, seed=0, prefetch_requests=None if prefetch else 0)
+    # No node cache: every pass reads every image from S3, which is what is measured.
+    ds = mmstore.RolloutDataset(
+        store, proc, seed=0, node_cache_bytes=0, prefetch_requests=None if prefetch else 0
+    )
     start = time.perf_counter()
     n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, BATCH))
     return n / (time.perf_counter() - start)
@@ -72,6 +75,7 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
             _s3.LatencyProxy(port, LATENCIES_MS[1] / 1000) as slow,
         ):
             ports = {0: fast.port, 30: slow.port}
+            samples_per_s(fast.port, bucket, proc, True)  # warm-up: imports, connections
             figures = interleaved(
                 {
                     f"{mode}_{ms}ms": (
