@@ -112,6 +112,18 @@ def headline(name: str, result: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def _direction(name: str, label: str) -> str:
+    """How to read a ratio: "higher = mmstore better" unless its SUITE entry says otherwise."""
+    for row_label, _, direction in SUITE[name][1]:
+        if row_label == label:
+            return {
+                "better": "higher = mmstore better",
+                "lower": "lower = mmstore better",
+                "flat": "1 = flat",
+            }.get(direction, direction)
+    return "see the benchmark's docstring"
+
+
 def run_all(scale: float, reps: int, only: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (module_name, _) in SUITE.items():
@@ -133,12 +145,12 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         f"scale {meta['scale']}, {meta['reps']} repetitions, {meta['cores']} cores, "
         f"{meta['machine']}. Ratios of two measurements taken in the same run.",
         "",
-        "| benchmark | ratio |",
-        "|---|---:|",
+        "| benchmark | ratio | direction |",
+        "|---|---:|---|",
     ]
     for name, result in results.items():
         for label, value in headline(name, result):
-            lines.append(f"| {label} | {value:.3g} |")
+            lines.append(f"| {label} | {value:.3g} | {_direction(name, label)} |")
     return "\n".join(lines) + "\n"
 
 
