@@ -73,6 +73,29 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
     "trust": ("benchmarks.bench_trust", []),
+    "s3": (
+        "benchmarks.bench_s3",
+        [
+            ("S3 loader 30 ms / 0 ms latency, prefetch", "prefetch_30_over_0", "better"),
+            ("S3 loader 30 ms / 0 ms latency, serial reads", "serial_30_over_0", "better"),
+            ("S3 loader prefetch / serial at 30 ms", "prefetch_over_serial_at_30", "better"),
+        ],
+    ),
+    "ray": (
+        "benchmarks.bench_ray",
+        [
+            (
+                "Ray iter_batches / RolloutLoader, 2 processes",
+                "iter_batches_over_loader",
+                "higher = Ray faster",
+            ),
+            (
+                "Ray read_rollouts / RolloutLoader, 2 processes",
+                "read_rollouts_over_loader",
+                "higher = Ray faster",
+            ),
+        ],
+    ),
     "pack": (
         "benchmarks.bench_pack",
         [

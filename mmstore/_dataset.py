@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import operator
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -33,6 +34,7 @@ from ._microbatch import packed_input_names
 from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
 from ._packed import PackedPlanner, PackedStream
+from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
 from ._store import Store
@@ -66,6 +68,8 @@ class RolloutDataset(IterableDataset[Sample]):
         node_cache_bytes: int | None = None,
         node_cache_dir: str | None = None,
         window_units: int = DEFAULT_WINDOW_UNITS,
+        prefetch_requests: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         check_missing_policy(missing)
         dtype = training_dtype(dtype)
@@ -86,11 +90,14 @@ class RolloutDataset(IterableDataset[Sample]):
             raise ValueError(f"node_cache_bytes must be >= 0, got {node_cache_bytes}")
         self.node_cache_bytes = node_cache_bytes
         self.window_units = window_units
+        self.prefetch_requests = prefetch_requests
+        self.prefetch_bytes = prefetch_bytes
         self.epoch = 0
         self.position = 0
         self.snapshot = take_snapshot(store, runs, steps)
         self._check_layouts(self.snapshot)
         self._materializer: Materializer | None = None
+        self._prefetcher: Prefetcher | None = None
 
     def _check_layouts(self, snapshot: Snapshot) -> None:
         found = fingerprints_by_file(self.store, snapshot)
@@ -138,6 +145,7 @@ class RolloutDataset(IterableDataset[Sample]):
         # Workers build their own materializer and cache; never ship the parent's to them.
         state = self.__dict__.copy()
         state["_materializer"] = None
+        state["_prefetcher"] = None  # a thread pool: each worker builds its own
         return state
 
     def materializer(self) -> Materializer:
@@ -152,6 +160,11 @@ class RolloutDataset(IterableDataset[Sample]):
                 cache_bytes=self.cache_bytes,
                 node_cache=self._node_cache(),
             )
+            self._prefetcher = prefetcher_for(
+                self.store, self.prefetch_requests, self.prefetch_bytes
+            )
+            if self._prefetcher is not None:
+                self._materializer.media = self._prefetcher
         return self._materializer
 
     def _node_cache(self) -> NodeCache | None:
@@ -181,8 +194,28 @@ class RolloutDataset(IterableDataset[Sample]):
                 shuffle=self.shuffle,
             )
             rows = table.take(order[[p - lo for p in wanted[i:j]]])
-            yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
+            self._read_ahead(rows, materializer)
+            try:
+                yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
+            finally:
+                if self._prefetcher is not None:
+                    self._prefetcher.clear()
             i = j
+
+    def _read_ahead(self, rows: Any, materializer: Materializer) -> None:
+        # Read these rows' media ahead (remote stores), but images already processed, in this
+        # worker's cache or the node cache: those are never read, and would hold the bound.
+        if self._prefetcher is None:
+            return
+        fp, node = self.adapter.fingerprint, materializer.node_cache
+
+        def processed(h: str) -> bool:
+            if (h, fp) in materializer.cache:
+                return True
+            key = node.key(h, fp, *materializer._node_key) if node else ""
+            return node is not None and os.path.exists(os.path.join(node.directory, key))
+
+        self._prefetcher.feed_rows(rows, skip=processed)
 
     def __iter__(self) -> Iterator[Sample]:
         """Unbatched samples from ``self.position`` on (sharded by position across workers).

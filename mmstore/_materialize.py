@@ -95,6 +95,7 @@ class Materializer:
         self.missing = missing
         self.max_len = max_len
         self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
+        self.media: Any = store  # or a Prefetcher (._prefetch): same open_image, read ahead
         self.node_cache = node_cache
         # Everything besides hash and fingerprint that decides the pixels: the train dtype
         # and the processor's whole configuration and class (backend, normalization).
@@ -190,7 +191,7 @@ class Materializer:
 
     def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         """Verified read, decode, the processor, floats cast to the train dtype."""
-        image = self.store.open_image(ref.uri, ref.hash)
+        image = self.media.open_image(ref.uri, ref.hash)
         return cast_floats(self.adapter.process([image]), self.dtype)
 
     def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
