@@ -14,19 +14,18 @@ the batch's images) and ``image_grid_thw``; the DeepSeek-V3 text model uses 1-D 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from .._exceptions import ImageSizeError, UnsupportedProcessorError
-from ._base import Collation, Family, size_value
+from ._base import size_value
+from ._grid import GridFamily
 
 if TYPE_CHECKING:
     pass
 
 
-class KimiK25(Family):
+class KimiK25(GridFamily):
     name = "kimi-k25"
     # The processor attributes navit_resize and patchify read; nothing else moves a token.
     parameter_names = ("patch_size", "merge_size", "max_patches", "max_size_per_side")
@@ -43,10 +42,6 @@ class KimiK25(Family):
     token_strings: ClassVar[Mapping[str, str]] = {
         "image_token_id": "<|media_pad|>",
         "pad_token_id": "[PAD]",
-    }
-    image_inputs: ClassVar[Mapping[str, Collation]] = {
-        "pixel_values": "cat",
-        "image_grid_thw": "cat",
     }
     # vLLM's Kimi-K2.5 (config `use_unified_vision_chunk`) takes images and video chunks as
     # one "vision_chunk" modality, each image a `VisionChunkImage` dict; its prompt update
@@ -96,40 +91,13 @@ class KimiK25(Family):
         )
         return 1, pad_h // p("patch_size"), pad_w // p("patch_size")
 
-    def num_tokens(self, width: int, height: int) -> int:
-        t, h, w = self.grid(width, height)
-        return t * h * w // self.layout.param("merge_size") ** 2
-
-    def expansion(self, width: int, height: int) -> list[int]:
-        return [self.image_token_id] * self.num_tokens(width, height)
-
     def pixel_shape(self, width: int, height: int) -> tuple[int, int, int, int]:
         """Shape of this image's rows of ``pixel_values``: (patches, channels, p, p)."""
         t, h, w = self.grid(width, height)
         patch = self.layout.param("patch_size")
         return t * h * w, 3, patch, patch
 
-    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
-        return {
-            "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
-            "image_grid_thw": np.array([self.grid(width, height)], dtype=np.int64),
-        }
-
-    @property
-    def dummy_size(self) -> tuple[int, int]:
-        side = self.layout.param("patch_size") * self.layout.param("merge_size")
-        return side, side
-
     # -- the processor ------------------------------------------------------------------
-
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        out = super().process(images)
-        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
-        return out
-
-    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
-        t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
-        return t * h * w // self.layout.param("merge_size") ** 2
 
     def vllm_item(self, image: Any, uuid: str) -> dict[str, Any]:
         return {"type": "image", "image": image, "uuid": uuid}

@@ -12,16 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from .._exceptions import ImageSizeError, UnsupportedProcessorError
-from ._base import Collation, Family, size_value
+from ._base import size_value
+from ._grid import GridFamily
 
 if TYPE_CHECKING:
     import torch
 
 
-class QwenVL(Family):
+class QwenVL(GridFamily):
     name = "qwen-vl"
     parameter_names = (
         "patch_size",
@@ -38,10 +37,6 @@ class QwenVL(Family):
     token_strings: ClassVar[Mapping[str, str]] = {
         "image_token_id": "<|image_pad|>",
         "pad_token_id": "<|endoftext|>",
-    }
-    image_inputs: ClassVar[Mapping[str, Collation]] = {
-        "pixel_values": "cat",
-        "image_grid_thw": "cat",
     }
     token_type_input = "mm_token_type_ids"
     position_rows = 3
@@ -84,40 +79,13 @@ class QwenVL(Family):
             ) from None
         return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
 
-    def num_tokens(self, width: int, height: int) -> int:
-        t, h, w = self.grid(width, height)
-        return t * h * w // self.layout.param("merge_size") ** 2
-
-    def expansion(self, width: int, height: int) -> list[int]:
-        return [self.image_token_id] * self.num_tokens(width, height)
-
     def pixel_shape(self, width: int, height: int) -> tuple[int, int]:
         """Shape of this image's rows of ``pixel_values``: (patches, channels*t*p*p)."""
         t, h, w = self.grid(width, height)
         p = self.layout.param
         return t * h * w, 3 * p("temporal_patch_size") * p("patch_size") ** 2
 
-    def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
-        return {
-            "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
-            "image_grid_thw": np.array([self.grid(width, height)], dtype=np.int64),
-        }
-
-    @property
-    def dummy_size(self) -> tuple[int, int]:
-        side = self.layout.param("patch_size") * self.layout.param("merge_size")
-        return side, side
-
     # -- the processor ------------------------------------------------------------------
-
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        out = super().process(images)
-        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
-        return out
-
-    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
-        t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
-        return t * h * w // self.layout.param("merge_size") ** 2
 
     def position_ids(
         self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
