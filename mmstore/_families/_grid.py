@@ -27,9 +27,12 @@ class GridFamily(Family):
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
 
-    @abstractmethod
     def pixel_shape(self, width: int, height: int) -> tuple[int, ...]:
-        """Shape of this image's rows of ``pixel_values``."""
+        """Shape of this image's rows of ``pixel_values``: (patches, channels*t*p*p), as
+        Qwen-VL and GLM-4V flatten them (Kimi-K2.5 keeps the patch's axes)."""
+        t, h, w = self.grid(width, height)
+        p = self.layout.param
+        return t * h * w, 3 * p("temporal_patch_size") * p("patch_size") ** 2
 
     def num_tokens(self, width: int, height: int) -> int:
         t, h, w = self.grid(width, height)

@@ -106,14 +106,6 @@ class Glm4v(GridFamily):
             ) from None
         return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
 
-    def pixel_shape(self, width: int, height: int) -> tuple[int, int]:
-        """Shape of this image's rows of ``pixel_values``: (patches, channels*t*p*p)."""
-        t, h, w = self.grid(width, height)
-        p = self.layout.param
-        return t * h * w, 3 * p("temporal_patch_size") * p("patch_size") ** 2
-
-    # -- the processor ------------------------------------------------------------------
-
     # -- positions ----------------------------------------------------------------------
 
     def position_ids(
