@@ -216,6 +216,8 @@ def test_registering_a_taken_name_or_processor_is_refused(toy):
 
     with pytest.raises(mmstore.InvalidArgumentError, match="already registered"):
         mmstore.register_family(Other)
+    # A refused registration changes nothing: "toy" still builds the toy family.
+    assert type(mmstore.adapter_for(ToyImageProcessor())) is ToyFamily
     with pytest.raises(mmstore.InvalidArgumentError, match="another family"):
         mmstore.register_family(Other, processors=(ToyImageProcessor,), name="toy2")
     with pytest.raises(mmstore.InvalidArgumentError, match="not an mmstore Family"):

@@ -70,7 +70,6 @@ def register_family(
             raise InvalidArgumentError(f"{family!r} is not an mmstore Family subclass")
         name = name or family.name
         path = f"{family.__module__}.{family.__qualname__}"
-        _LOADED[name] = family
     keys = [p if isinstance(p, str) else f"{p.__module__}.{p.__qualname__}" for p in processors]
     if not clobber:
         if name in _FAMILIES and _FAMILIES[name] != path:
@@ -78,11 +77,12 @@ def register_family(
         taken = [k for k in keys if _PROCESSORS.get(k, name) != name]
         if taken:
             raise InvalidArgumentError(f"processors already served by another family: {taken}")
+    # Accepted: only now does the registry change (a refused call leaves it as it was).
     _FAMILIES[name] = path
-    if not isinstance(family, str):
-        _LOADED[name] = family
+    if isinstance(family, str):
+        _LOADED.pop(name, None)  # imported on first use
     else:
-        _LOADED.pop(name, None)
+        _LOADED[name] = family
     _PROCESSORS.update(dict.fromkeys(keys, name))
 
 

@@ -15,14 +15,11 @@ the batch's images) and ``image_grid_thw``; the DeepSeek-V3 text model uses 1-D 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from .._exceptions import ImageSizeError, UnsupportedProcessorError
 from ._base import size_value
 from ._grid import GridFamily
-
-if TYPE_CHECKING:
-    pass
 
 
 class KimiK25(GridFamily):
