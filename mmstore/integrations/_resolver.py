@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,9 +224,12 @@ class RefResolver:
     def _inputs(self, refs: Sequence[ImageRef], images: Sequence[Materialized]) -> dict[str, Any]:
         import torch
 
-        batched = self.adapter.collate_images(
-            [{k: torch.from_numpy(v.copy()) for k, v in m.tensors.items()} for m in images]
-        )
+        # Views of the read-only cache entries, no copy: collation concatenates into new
+        # memory and never writes its inputs (torch warns about any non-writable array).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            views = [{k: torch.from_numpy(v) for k, v in m.tensors.items()} for m in images]
+        batched = self.adapter.collate_images(views)
         return {
             **{k: v.numpy() for k, v in batched.items()},
             "hashes": [ref.hash for ref in refs],
