@@ -9,7 +9,8 @@ and the processor's grid tells how many tokens its output fills.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MethodType, SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -61,3 +62,17 @@ class GridFamily(Family):
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
         t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])
         return t * h * w // self.layout.param("merge_size") ** 2
+
+
+def weightless_rope_index(model_cls: Any, merge_size: int) -> Callable[..., Any]:
+    """``model_cls.get_rope_index`` (a transformers M-RoPE model) bound to a stand-in.
+
+    The function reads ``self.config.vision_config.spatial_merge_size`` and calls
+    ``self.get_vision_position_ids`` (pure index math), nothing else of the model: bound to
+    this stand-in it runs the model's own code without building any weights.
+    """
+    owner = SimpleNamespace(
+        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge_size))
+    )
+    owner.get_vision_position_ids = MethodType(model_cls.get_vision_position_ids, owner)
+    return MethodType(model_cls.get_rope_index, owner)

@@ -24,13 +24,12 @@ build the adapter from the full processor (its tokenizer supplies the ids) or pa
 from __future__ import annotations
 
 import itertools
-import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._exceptions import ImageSizeError, InvalidRolloutError, UnsupportedProcessorError
 from ._base import size_value
-from ._grid import GridFamily
+from ._grid import GridFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch
@@ -126,28 +125,13 @@ class Glm4v(GridFamily):
                 f"{runs} runs of image tokens for {len(grids)} images: GLM-4V needs text (its "
                 "chat template's <|end_of_image|><|begin_of_image|>) between adjacent images"
             )
-        # unbound, on an owner holding just what it reads (typed LongTensor; any tensor works)
-        get_rope_index: Any = Glm4vModel.get_rope_index
-        position_ids, _ = get_rope_index(
-            _rope_owner(self.layout.param("merge_size")),
+        rope_index = weightless_rope_index(Glm4vModel, self.layout.param("merge_size"))
+        position_ids, _ = rope_index(
             ids,
             types_,
             image_grid_thw=torch.cat(grids) if grids else None,
         )
         return position_ids[:, 0]
-
-
-def _rope_owner(merge_size: int) -> Any:
-    """The two attributes of a ``Glm4vModel`` that ``get_rope_index`` reads, without weights."""
-    from transformers.models.glm4v.modeling_glm4v import Glm4vModel
-
-    owner = types.SimpleNamespace(
-        config=types.SimpleNamespace(
-            vision_config=types.SimpleNamespace(spatial_merge_size=merge_size)
-        )
-    )
-    owner.get_vision_position_ids = types.MethodType(Glm4vModel.get_vision_position_ids, owner)
-    return owner
 
 
 def _smart_resize() -> Any:

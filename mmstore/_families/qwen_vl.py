@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._exceptions import ImageSizeError, UnsupportedProcessorError
 from ._base import size_value
-from ._grid import GridFamily
+from ._grid import GridFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,8 @@ class QwenVL(GridFamily):
     ) -> torch.Tensor:
         """M-RoPE positions of one sample run alone, ``[3, L]``, by transformers' own
         ``Qwen2VLModel.get_rope_index`` (run on a stand-in holding only the merge size, which
-        is all that function reads of the model; see :func:`_rope_index`)."""
+        is all that function reads of the model; see :func:`weightless_rope_index`). Qwen2.5-VL
+        and Qwen3-VL lay images out the same way; their functions differ only for videos."""
         import torch
 
         ids = input_ids.reshape(1, -1).to(torch.int64)
@@ -95,30 +96,11 @@ class QwenVL(GridFamily):
         grid = torch.cat(grids).to(torch.int64) if grids else None
         if grid is None:  # text only: get_rope_index expects vision; plain 1-D positions
             return torch.arange(ids.shape[1], dtype=torch.int64)[None].expand(3, -1).clone()
-        positions, _ = _rope_index(self.layout.param("merge_size"))(ids, types, grid)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+        rope_index = weightless_rope_index(Qwen2VLModel, self.layout.param("merge_size"))
+        positions, _ = rope_index(ids, types, grid)
         return positions[:, 0]
-
-
-def _rope_index(merge_size: int) -> Any:
-    """``Qwen2VLModel.get_rope_index`` bound to a stand-in for the model.
-
-    The function reads ``self.config.vision_config.spatial_merge_size`` and calls
-    ``self.get_vision_position_ids`` (pure index math); nothing else of the model. Binding it
-    to this stand-in runs the model's own code without building any weights. Qwen2.5-VL and
-    Qwen3-VL lay images out the same way; their functions differ only for videos.
-    """
-    from types import SimpleNamespace
-
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
-
-    model: Any = Qwen2VLModel  # its methods run on the stand-in, which has all they read
-
-    class _StandIn:
-        config = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge_size))
-        get_vision_position_ids = model.get_vision_position_ids
-        get_rope_index = model.get_rope_index
-
-    return _StandIn().get_rope_index
 
 
 def _smart_resize() -> Any:
