@@ -9,7 +9,6 @@ resume at batch ``k`` reads nothing before it.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import operator
 import os
 import warnings
@@ -38,6 +37,7 @@ from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
 from ._store import Store
+from ._worker import check_worker_threads, init_worker
 
 STATE_VERSION = 1
 
@@ -524,31 +524,6 @@ def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
     keys = sorted(stored.keys() | mine.keys(), key=lambda k: (k != "family", k))
     differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
     return ", ".join(differ) or "the same parameters under another fingerprint"
-
-
-def check_worker_threads(threads: int | None, context: Any) -> int:
-    """Torch threads per DataLoader worker: 1 unless asked (as DataLoader sets by itself).
-
-    More than one is refused in forked workers: the parent's OpenMP thread pool does not
-    survive ``fork`` (libgomp), and a forked worker that starts more threads hangs. With a
-    ``spawn`` or ``forkserver`` context, ``threads`` (e.g. cores // num_workers) is safe.
-    """
-    if threads is None:
-        return 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
-        raise InvalidArgumentError(f"worker_threads must be a positive int, got {threads!r}")
-    method = context if isinstance(context, str) or context is None else context.get_start_method()
-    if threads > 1 and (method or multiprocessing.get_start_method()) == "fork":
-        raise InvalidArgumentError(
-            f"worker_threads={threads} needs multiprocessing_context='spawn' or 'forkserver': "
-            "forked workers hang when they start OpenMP threads"
-        )
-    return threads
-
-
-def init_worker(threads: int, worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: keep torch to ``threads`` threads in this worker."""
-    torch.set_num_threads(threads)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -21,6 +21,7 @@ import torch
 
 from ._cache import ByteLRU
 from ._exceptions import InvalidArgumentError, LayoutMismatchError, MediaNotFoundError, MmstoreError
+from ._media import decode_rgb, decode_rgb_tensor
 from ._models import ImageRef
 from ._node_cache import NodeCache, processor_digest
 from ._rowcheck import CheckedRow, RowWindow, family_checker
@@ -95,7 +96,7 @@ class Materializer:
         self.missing = missing
         self.max_len = max_len
         self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
-        self.media: Any = store  # or a Prefetcher (._prefetch): same open_image, read ahead
+        self.media: Any = store  # or a Prefetcher (._prefetch): same read_media, read ahead
         self.node_cache = node_cache
         # Everything besides hash and fingerprint that decides the pixels: the train dtype
         # and the processor's whole configuration and class (backend, normalization).
@@ -191,7 +192,10 @@ class Materializer:
 
     def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         """Verified read, decode, the processor, floats cast to the train dtype."""
-        image = self.media.open_image(ref.uri, ref.hash)
+        data = self.media.read_media(ref.uri, ref.hash)
+        # A torchvision processor takes the decoded tensor as is; a PIL one, a PIL image.
+        decode = decode_rgb_tensor if self.adapter.takes_tensors else decode_rgb
+        image = decode(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
         return cast_floats(self.adapter.process([image]), self.dtype)
 
     def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:

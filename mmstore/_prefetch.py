@@ -79,17 +79,21 @@ class Prefetcher:
             if isinstance(u, str) and isinstance(h, str) and not (skip and skip(h))
         )
 
-    def open_image(self, uri: str, expected_hash: str) -> Image.Image:
-        """The verified, decoded image: read ahead if it was fed, else read now."""
+    def read_media(self, uri: str, expected_hash: str) -> bytes:
+        """The verified bytes: read ahead if they were fed, else read now."""
         self._after_fork()
         future = self._started.pop((uri, expected_hash), None)
         self._queued.pop((uri, expected_hash), None)
         if future is None:
-            return self.store.open_image(uri, expected_hash)
+            return self.store.read_media(uri, expected_hash)
         try:
-            data = future.result()  # re-raises the read's own typed error
+            return future.result()  # re-raises the read's own typed error
         finally:
             self._pump()
+
+    def open_image(self, uri: str, expected_hash: str) -> Image.Image:
+        """The verified, decoded image (:meth:`Store.open_image`), read ahead if fed."""
+        data = self.read_media(uri, expected_hash)
         return decode_rgb(data, max_pixels=self.store.max_image_pixels, where=uri)
 
     def clear(self) -> None:

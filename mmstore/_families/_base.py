@@ -225,12 +225,27 @@ class Family(ABC):
 
     # -- the processor ----------------------------------------------------------------
 
-    def process(self, images: Sequence[Image.Image]) -> dict[str, np.ndarray]:
+    @property
+    def takes_tensors(self) -> bool:
+        """Whether the processor is a torchvision backend: it takes decoded uint8 tensors
+        (channels first) as they come from torchvision's decoder, with no PIL round trip."""
+        return getattr(self.image_processor, "backend", None) == "torchvision"
+
+    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
         """Run the real image processor on ``images``; the model's image tensors, numpy."""
+        out = self.run_processor(images)
+        return {key: np.asarray(out[key]) for key in self.image_inputs}
+
+    def run_processor(self, images: Sequence[Any]) -> Mapping[str, Any]:
+        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors)."""
         if self.image_processor is None:
             raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
-        out = self.image_processor(images=list(images), **self.processor_kwargs())
-        return {key: np.asarray(out[key]) for key in self.image_inputs}
+        kwargs = self.processor_kwargs()
+        if images and all(type(im).__module__.startswith("torch") for im in images):
+            # Our tensors are channels first; transformers would guess, and a 3- or
+            # 4-pixel-wide image looks like channels last to it.
+            kwargs["input_data_format"] = "channels_first"
+        return self.image_processor(images=list(images), **kwargs)
 
     def processor_kwargs(self) -> dict[str, Any]:
         return {"return_tensors": "np"}

@@ -41,8 +41,6 @@ from .._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProces
 from ._base import Collation, Family, size_value
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from .._models import ImageRef
 
 # Soft tokens per image of the published models: `mm_tokens_per_image` in their config.json
@@ -173,10 +171,8 @@ class Gemma3(Family):
 
     # -- the processor ------------------------------------------------------------------
 
-    def process(self, images: Sequence[Image.Image]) -> dict[str, np.ndarray]:
-        if self.image_processor is None:
-            raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
-        out = self.image_processor(images=list(images), **self.processor_kwargs())
+    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
+        out = self.run_processor(images)
         # Pan-and-scan was refused when the adapter was built; a processor switched to it
         # since would add crops the spans do not hold.
         crops = np.asarray(out.get("num_crops", [0]))
