@@ -36,6 +36,29 @@ def test_entries_round_trip_exactly(tmp_path):
     assert (cache.misses, cache.hits) == (1, 1)
 
 
+def test_a_hit_maps_the_entry_and_writes_stay_private(tmp_path):
+    cache = NodeCache(str(tmp_path), capacity=1 << 20)
+    cache.get_or_compute("k", lambda: _tensors(1))
+    hit = cache.get_or_compute("k", lambda: pytest.fail("computed twice"))
+    hit["pixel_values"].zero_()  # copy-on-write: the entry on /dev/shm is untouched
+    assert _equal(cache.get_or_compute("k", lambda: pytest.fail("recomputed")), _tensors(1))
+    os.unlink(os.path.join(str(tmp_path), "k"))  # evicted while mapped: still readable
+    assert not hit["pixel_values"].any()
+    assert (cache.misses, cache.hits) == (1, 2)
+
+
+def test_an_empty_or_foreign_file_is_recomputed(tmp_path):
+    cache = NodeCache(str(tmp_path), capacity=1 << 20)
+    for name, data in [
+        ("empty", b""),
+        ("foreign", b"\x10\x00\x00\x00" + b'{"x": ["nope", [1], 0]}'),
+    ]:
+        with open(os.path.join(str(tmp_path), name), "wb") as f:
+            f.write(data)
+        assert _equal(cache.get_or_compute(name, lambda: _tensors(2)), _tensors(2))
+    assert cache.misses == 2
+
+
 def _worker(directory: str, log: str, order: list[int], out: mp.Queue) -> None:
     cache = NodeCache(directory, capacity=1 << 24)
 
