@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 
 from ._materialize import Sample, cast_floats
+from ._worker import prefault
 
 if TYPE_CHECKING:
     from ._families import Family
@@ -95,6 +96,7 @@ def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         first = tensors[0]
         storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
         out = first.new(storage).resize_(sum(t.shape[0] for t in tensors), *first.shape[1:])
+        prefault(out)
     return torch.cat(list(tensors), out=out)
 
 
