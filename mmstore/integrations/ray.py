@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from .._exceptions import InvalidArgumentError, MmstoreError
-from .._rowcheck import FILE_COLUMN, conform
-from .._scan import ROW_COLUMNS, take_snapshot
+from .._rowcheck import FILE_COLUMN, ROW_COLUMNS, conform
+from .._scan import take_snapshot
 
 if TYPE_CHECKING:
     import ray.data
