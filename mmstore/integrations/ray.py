@@ -7,8 +7,9 @@ Two entry points:
 - :func:`read_rollouts` is a ``ray.data.Dataset`` of materialized samples, one row each: Ray
   reads the committed Parquet files (hive partitions typed: ``run_id`` a string, ``step`` an
   integer; only the columns the trainer needs), and an actor pool of CPU workers, each with
-  its own processor, cache and dtype cast, turns rows into model inputs. Use it for offline
-  preprocessing, evaluation and analysis: its order is Ray's.
+  its own processor, cache and dtype cast, turns its Arrow batches into model inputs through
+  the loader's own checks (a bad row raises naming its file, run, step and sample). Use it
+  for offline preprocessing, evaluation and analysis: its order is Ray's.
 - :func:`iter_batches` feeds a trainer rank: it yields exactly the batches (or packed
   micro-batches) that ``loader`` would yield itself, in the same order, with the
   materialization done by Ray actors, possibly on other nodes. The rank's share comes from
