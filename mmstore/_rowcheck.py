@@ -40,6 +40,18 @@ from ._schema import ROLLOUT_SCHEMA
 MAX_ROW_TOKENS = 2**22
 # Real rows hold a handful of images, at most a few hundred (video frames).
 MAX_ROW_IMAGES = 2**14
+# The row columns the loader reads and checks; `metadata` stays on disk.
+ROW_COLUMNS = [
+    "sample_id",
+    "group_id",
+    "tokens",
+    "prompt_len",
+    "loss_mask",
+    "logprobs",
+    "reward",
+    "advantage",
+    "images",
+]
 FILE_COLUMN = "_file"  # the committed file each row came from, added by the loader's scan
 
 FamilyOf = Callable[[str, str], Family]  # (fingerprint, family name) -> Family, or raises
@@ -111,7 +123,7 @@ class RowWindow:
         if FILE_COLUMN in table.column_names:
             self._files = _codes(table.column(FILE_COLUMN).combine_chunks())
         self._locations: dict[str | None, dict[str, Any]] = {}
-        col = {name: table.column(name).combine_chunks() for name in _ROW_FIELDS}
+        col = {name: table.column(name).combine_chunks() for name in ROW_COLUMNS}
         # One value per row: Python lists once a window are cheaper than a scalar per call.
         self._scalars = {
             name: col[name].to_pylist()
@@ -258,19 +270,6 @@ class RowWindow:
 
 def _none(index: int) -> Family:
     raise AssertionError("a row without images has no image family")
-
-
-_ROW_FIELDS = (
-    "sample_id",
-    "group_id",
-    "tokens",
-    "prompt_len",
-    "loss_mask",
-    "logprobs",
-    "reward",
-    "advantage",
-    "images",
-)
 
 
 def _float(value: float | None) -> float:

@@ -25,25 +25,12 @@ from ._refscan import (
     reading,
     select_files,
 )
-from ._rowcheck import FILE_COLUMN, conform
+from ._rowcheck import FILE_COLUMN, ROW_COLUMNS, conform
 from ._schema import META_LAYOUTS, check_schema_version
 from ._store import ROLLOUTS
 
 if TYPE_CHECKING:
     from ._store import Store
-
-# Columns the loader needs; `metadata` stays on disk.
-ROW_COLUMNS = [
-    "sample_id",
-    "group_id",
-    "tokens",
-    "prompt_len",
-    "loss_mask",
-    "logprobs",
-    "reward",
-    "advantage",
-    "images",
-]
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ import types
 
 import numpy as np
 import pytest
-from PIL import Image
 from transformers import CLIPImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
 from mmstore._families import layout_for_fingerprint
-from mmstore._models import MediaRef
+from tests.families_common import check_placeholder, gradient, media_ref, sized
 
 QWEN_VL_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the published Qwen-VL tokenizers
 
@@ -65,26 +64,18 @@ SIZES = [
 PROCESSORS = ["qwen2_processor", "qwen3_processor"]
 
 
-def _image(width: int, height: int) -> Image.Image:
-    # A gradient, not a flat fill, so the processor sees ordinary pixels; shape is what counts.
-    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
-    y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
-    rgb = np.broadcast_to((x + y) / 2, (height, width, 3)).astype(np.uint8)
-    return Image.fromarray(rgb)
-
-
 def test_enough_sizes():
     assert len(set(SIZES)) >= 30
 
 
 @pytest.mark.parametrize("processor_name", PROCESSORS)
-@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@sized(SIZES)
 def test_grid_tokens_and_placeholder_match_the_real_processor(
     request, processor_name, width, height
 ):
     processor = request.getfixturevalue(processor_name)
     adapter = mmstore.adapter_for(processor)
-    out = processor(images=[_image(width, height)], return_tensors="np")
+    out = processor(images=[gradient(width, height)], return_tensors="np")
     grid = tuple(int(v) for v in out["image_grid_thw"][0])
     pixel_shape = out["pixel_values"].shape
 
@@ -94,11 +85,9 @@ def test_grid_tokens_and_placeholder_match_the_real_processor(
     assert adapter.num_tokens(width, height) * processor.merge_size**2 == (
         processor.get_number_of_image_patches(height, width)
     )
-    placeholder = adapter.placeholder(width, height)
+    placeholder = check_placeholder(adapter, out, width, height)
     assert placeholder["pixel_values"].shape == pixel_shape
     assert placeholder["pixel_values"].dtype == np.float32
-    assert not placeholder["pixel_values"].any()
-    np.testing.assert_array_equal(placeholder["image_grid_thw"], out["image_grid_thw"])
 
 
 @pytest.mark.parametrize(("width", "height"), [(1, 1), (3, 7), (641, 479), (1920, 1080), (5, 1000)])
@@ -108,14 +97,14 @@ def test_unusual_layout_matches_the_real_processor(width, height):
         patch_size=8, merge_size=1, temporal_patch_size=1, min_pixels=32 * 32, max_pixels=96 * 96
     )
     adapter = mmstore.adapter_for(processor)
-    out = processor(images=[_image(width, height)], return_tensors="np")
+    out = processor(images=[gradient(width, height)], return_tensors="np")
     assert adapter.grid(width, height) == tuple(int(v) for v in out["image_grid_thw"][0])
     assert adapter.num_tokens(width, height) == np.prod(out["image_grid_thw"][0])
     assert adapter.placeholder(width, height)["pixel_values"].shape == out["pixel_values"].shape
 
 
 def test_process_returns_what_the_processor_returns(adapter, small_processor):
-    images = [_image(300, 200), _image(64, 900)]
+    images = [gradient(300, 200), gradient(64, 900)]
     ours = adapter.process(images)
     theirs = small_processor(images=images, return_tensors="np")
     np.testing.assert_array_equal(ours["pixel_values"], theirs["pixel_values"])
@@ -134,7 +123,7 @@ def test_unrepresentable_sizes_raise_image_size_error(adapter, small_processor, 
     if width > 0:
         # The real processor refuses them too: the adapter is not stricter than the model.
         with pytest.raises(ValueError, match="aspect ratio"):
-            small_processor(images=[_image(width, height)], return_tensors="np")
+            small_processor(images=[gradient(width, height)], return_tensors="np")
 
 
 # --- choosing an adapter ------------------------------------------------------------------
@@ -160,7 +149,7 @@ def test_adapter_for_accepts_a_full_processor(small_processor):
     assert adapter.image_processor is small_processor
     assert adapter.image_token_id == 4242
     assert adapter.fingerprint == mmstore.adapter_for(small_processor).fingerprint
-    tokens, _ = adapter.expand([1, 4242, 2], [_media(56, 56)])
+    tokens, _ = adapter.expand([1, 4242, 2], [media_ref(56, 56)])
     assert tokens == [1, 4242, 4242, 4242, 4242, 2]
     assert mmstore.adapter_for(small_processor, image_token_id=0).image_token_id == 0
 
@@ -222,7 +211,7 @@ def test_torchvision_backend_matches_the_pil_backend():
         == mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=256 * 28 * 28)).fingerprint
     )
     for width, height in [(1, 1), (3, 7), (641, 479), (1920, 1080), (5, 1000)]:
-        out = processor(images=[_image(width, height)], return_tensors="pt")
+        out = processor(images=[gradient(width, height)], return_tensors="pt")
         assert adapter.grid(width, height) == tuple(int(v) for v in out["image_grid_thw"][0])
         assert adapter.placeholder(width, height)["pixel_values"].shape == tuple(
             out["pixel_values"].shape
@@ -291,7 +280,7 @@ def test_registry_keeps_the_family_token_id_whatever_adapter_came_last(small_pro
     assert custom.image_token_id == 99
     assert layout_for_fingerprint(custom.fingerprint).image_token_id == QWEN_VL_IMAGE_TOKEN_ID
     # Rows of the custom tokenizer check against their own adapter's layout.
-    tokens, refs = custom.expand([1, 99], [_media(56, 56)])
+    tokens, refs = custom.expand([1, 99], [media_ref(56, 56)])
     row = mmstore.Rollout(
         sample_id="c", tokens=tokens, prompt_len=1, loss_mask=[1] * len(tokens), images=refs
     )
@@ -303,14 +292,9 @@ def test_registry_keeps_the_family_token_id_whatever_adapter_came_last(small_pro
 # --- expand -------------------------------------------------------------------------------
 
 
-def _media(width: int, height: int, n: int = 0) -> MediaRef:
-    digest = f"{n:032x}"
-    return MediaRef(hash=digest, uri=f"media/{digest}.png", width=width, height=height)
-
-
 def test_expand_lays_out_spans_at_the_right_offsets(adapter):
     img = adapter.image_token_id
-    media = [_media(56, 56, 1), _media(640, 480, 2), _media(28, 5600, 3)]
+    media = [media_ref(56, 56, 1), media_ref(640, 480, 2), media_ref(28, 5600, 3)]
     ids = [10, 11, img, 12, img, img, 13, 14]
     tokens, refs = adapter.expand(np.array(ids), media)
 
@@ -348,16 +332,16 @@ def test_expand_without_images_is_identity(adapter):
 def test_expand_refuses_a_count_mismatch(adapter, n_tokens, n_media):
     ids = [1, *[adapter.image_token_id] * n_tokens, 2]
     with pytest.raises(mmstore.InvalidRolloutError, match="image placeholder tokens"):
-        adapter.expand(ids, [_media(56, 56, i) for i in range(n_media)])
+        adapter.expand(ids, [media_ref(56, 56, i) for i in range(n_media)])
 
 
 def test_expand_refuses_an_unrepresentable_image(adapter):
     with pytest.raises(mmstore.ImageSizeError):
-        adapter.expand([adapter.image_token_id], [_media(1, 500)])
+        adapter.expand([adapter.image_token_id], [media_ref(1, 500)])
 
 
 def test_check_output_refuses_a_grid_that_does_not_fill_the_span(adapter):
-    _, [ref] = adapter.expand([adapter.image_token_id], [_media(640, 480)])
+    _, [ref] = adapter.expand([adapter.image_token_id], [media_ref(640, 480)])
     good = {"image_grid_thw": np.array([adapter.grid(640, 480)])}
     adapter.check_output(good, ref, sample_id="s", image_index=0)
     with pytest.raises(mmstore.LayoutMismatchError) as info:

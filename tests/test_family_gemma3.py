@@ -12,8 +12,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -23,6 +21,18 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import mmstore
 from mmstore._families import family_for_layout, layout_from_record
 from mmstore.integrations import vllm
+from tests.families_common import (
+    check_output_fits,
+    check_placeholder,
+    check_refused_by,
+    gradient,
+    media_ref,
+    model_output,
+    noise,
+    sized,
+    tiny_model,
+    word_level_tokenizer,
+)
 
 # `<start_of_image>`, `<end_of_image>`, `<image_soft_token>`, "\n\n" and `<pad>` in the
 # published Gemma 3 tokenizer; SMALL: the same tokens at ids a tiny model's vocabulary holds.
@@ -63,18 +73,6 @@ SIZES = [
 ]
 
 
-def _image(width: int, height: int) -> Image.Image:
-    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
-    y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
-    rgb = np.broadcast_to((x + y) / 2, (height, width, 3)).astype(np.uint8)
-    return Image.fromarray(rgb)
-
-
-def _noise(width: int, height: int, seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def _tokenizer(ids: dict[str, int], *, with_nl2: bool = True) -> PreTrainedTokenizerFast:
     vocab = {
         **WORDS,
@@ -85,12 +83,10 @@ def _tokenizer(ids: dict[str, int], *, with_nl2: bool = True) -> PreTrainedToken
     }
     if with_nl2:
         vocab["\n\n"] = ids["nl2"]
-    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=model,
-        unk_token="<unk>",
-        pad_token="<pad>",
+    tokenizer = word_level_tokenizer(
+        vocab,
+        unk="<unk>",
+        pad="<pad>",
         # The attributes Gemma3Processor reads (boi_token, eoi_token, image_token and ids).
         extra_special_tokens={
             "boi_token": "<start_of_image>",
@@ -131,10 +127,10 @@ def test_enough_sizes():
     assert len(set(SIZES)) >= 20
 
 
-@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@sized(SIZES)
 def test_expansion_is_what_the_real_processor_substitutes(published, width, height):
     adapter = mmstore.adapter_for(published)
-    image = _image(width, height)
+    image = gradient(width, height)
     out = published(text=["hi <start_of_image> there"], images=[image], return_tensors="np")
     ids = [int(t) for t in out["input_ids"][0]]
     before = published.tokenizer.encode("hi", add_special_tokens=False)
@@ -147,16 +143,10 @@ def test_expansion_is_what_the_real_processor_substitutes(published, width, heig
     # token_type_ids: 1 on the soft tokens only, as the processor marks them.
     types = adapter.token_types(torch.tensor([ids]))["token_type_ids"]
     np.testing.assert_array_equal(types.numpy(), out["token_type_ids"])
-    placeholder = adapter.placeholder(width, height)
-    assert placeholder["pixel_values"].shape == out["pixel_values"].shape == (1, 3, SIDE, SIDE)
-    assert not placeholder["pixel_values"].any()
-    _, refs = adapter.expand(
-        [3, PUBLISHED["boi"], 4],
-        [mmstore.MediaRef(hash="0" * 32, uri="m", width=width, height=height)],
-    )
-    adapter.check_output(
-        {"pixel_values": out["pixel_values"]}, refs[0], sample_id="s", image_index=0
-    )
+    placeholder = check_placeholder(adapter, out, width, height)
+    assert placeholder["pixel_values"].shape == (1, 3, SIDE, SIDE)
+    _, refs = adapter.expand([3, PUBLISHED["boi"], 4], [media_ref(width, height)])
+    check_output_fits(adapter, {"pixel_values": out["pixel_values"]}, refs[0])
     np.testing.assert_array_equal(adapter.process([image])["pixel_values"], out["pixel_values"])
 
 
@@ -164,14 +154,14 @@ def test_two_images_and_the_model_input_names(published):
     adapter = mmstore.adapter_for(published)
     out = published(
         text=["hi <start_of_image> ok <start_of_image> there"],
-        images=[[_image(30, 20), _image(5, 900)]],
+        images=[[gradient(30, 20), gradient(5, 900)]],
         return_tensors="np",
     )
     span = _expected(PUBLISHED, 256)
     assert [int(t) for t in out["input_ids"][0]] == [3, *span, 5, *span, 4]
     tokens, refs = adapter.expand(
         [3, PUBLISHED["boi"], 5, PUBLISHED["boi"], 4],
-        [_media(30, 20), _media(5, 900)],
+        [media_ref(30, 20), media_ref(5, 900, n=1)],
     )
     assert tokens == [int(t) for t in out["input_ids"][0]]
     assert [(r.offset, r.length) for r in refs] == [(1, 260), (262, 260)]
@@ -214,7 +204,7 @@ def test_adapter_for_a_full_processor_takes_its_tokenizer_ids(small):
     assert mmstore.adapter_for(_full(small.image_processor, SMALL, 256)).fingerprint == (
         image_only.fingerprint
     )
-    out = small(text=["hi <start_of_image>"], images=[_image(9, 9)], return_tensors="np")
+    out = small(text=["hi <start_of_image>"], images=[gradient(9, 9)], return_tensors="np")
     assert [int(t) for t in out["input_ids"][0]] == [3, *adapter.expansion(9, 9)]
 
 
@@ -254,7 +244,7 @@ def test_a_processor_switched_to_pan_and_scan_later_is_refused_at_processing():
     processor.pan_and_scan_max_num_crops = 4
     processor.pan_and_scan_min_ratio_to_activate = 1.2
     with pytest.raises(mmstore.LayoutMismatchError, match="pan-and-scan"):
-        adapter.process([_image(90, 30)])
+        adapter.process([gradient(90, 30)])
 
 
 @pytest.mark.parametrize(
@@ -299,7 +289,7 @@ def test_torchvision_backend_matches_the_pil_backend():
     adapter = mmstore.adapter_for(fast)
     assert adapter.fingerprint == mmstore.adapter_for(pil).fingerprint
     for width, height in [(1, 1), (3, 7), (56, 56), (641, 479), (1920, 1080), (5, 1000)]:
-        for image in (_image(width, height), _noise(width, height)):
+        for image in (gradient(width, height), noise(width, height)):
             ours = adapter.process([image])["pixel_values"]
             theirs = mmstore.adapter_for(pil).process([image])["pixel_values"]
             assert (
@@ -320,14 +310,9 @@ def test_torchvision_backend_matches_the_pil_backend():
 # --- the store, the loader and a tiny Gemma 3 model ----------------------------------------
 
 
-def _media(width: int, height: int) -> mmstore.MediaRef:
-    return mmstore.MediaRef(hash=f"{width:016x}{height:016x}", uri="m", width=width, height=height)
-
-
 def _model(dtype: torch.dtype):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    torch.manual_seed(0)
     config = Gemma3Config(
         text_config=dict(
             vocab_size=16,
@@ -352,8 +337,7 @@ def _model(dtype: torch.dtype):
         eoi_token_index=SMALL["eoi"],
         image_token_index=SMALL["soft"],
     )
-    config._attn_implementation = "eager"
-    return Gemma3ForConditionalGeneration(config).to(dtype).eval()
+    return tiny_model(Gemma3ForConditionalGeneration, config, dtype)
 
 
 def _rollout(adapter, sid, prompt, media, completion=(5, 4)):
@@ -374,8 +358,8 @@ def _rollout(adapter, sid, prompt, media, completion=(5, 4)):
 def filled(store, small):
     adapter = mmstore.adapter_for(small)
     boi = adapter.image_token_id
-    a = store.put_image(_image(40, 30))
-    b = store.put_image(_noise(17, 90))
+    a = store.put_image(gradient(40, 30))
+    b = store.put_image(noise(17, 90))
     with store.writer(run_id="g", step=0, adapter=adapter) as w:
         w.write(_rollout(adapter, "one", [2, 3, boi], [a]))
         w.write(_rollout(adapter, "two", [2, boi, 3, boi], [a, b]))
@@ -388,8 +372,7 @@ def filled(store, small):
 
 
 def _loss(model, loader, batch) -> torch.Tensor:
-    labels = batch["input_ids"].masked_fill(~batch["loss_mask"], -100)
-    out = model(**{k: batch[k] for k in loader.model_input_names}, labels=labels)
+    out = model_output(model, loader, batch, labels_on="loss_mask")
     assert torch.isfinite(out.logits).all()
     return out.loss
 
@@ -438,7 +421,7 @@ def test_text_only_batches_with_and_without_a_dummy_image(filled, small, dtype):
 
 def test_missing_media_gives_placeholders_the_model_accepts(store, small):
     adapter = mmstore.adapter_for(small)
-    media = store.put_image(_image(64, 48))
+    media = store.put_image(gradient(64, 48))
     with store.writer(run_id="m", step=0, adapter=adapter) as w:
         w.write(_rollout(adapter, "gone", [2, adapter.image_token_id], [media]))
         w.write(_rollout(adapter, "text", [2, 3], []))
@@ -462,7 +445,7 @@ def test_missing_media_gives_placeholders_the_model_accepts(store, small):
 
 def test_a_shifted_span_is_refused_by_the_writer(store, small):
     adapter = mmstore.adapter_for(small)
-    media = store.put_image(_image(20, 20))
+    media = store.put_image(gradient(20, 20))
     good = _rollout(adapter, "s", [2, 3, adapter.image_token_id], [media])
     shifted = good.model_copy(
         update={"images": [good.images[0].model_copy(update={"offset": good.images[0].offset + 1})]}
@@ -486,7 +469,7 @@ def test_double_newlines_next_to_a_span_are_ordinary_text(store, small):
     # BPE tokenization would): the neighbours stay as given and the span stays exact.
     adapter = mmstore.adapter_for(small)
     nl2, boi = SMALL["nl2"], adapter.image_token_id
-    media = store.put_image(_image(20, 20))
+    media = store.put_image(gradient(20, 20))
     rollout = _rollout(adapter, "nl", [2, nl2, boi, nl2], [media], completion=(nl2, 4))
     assert rollout.tokens == [2, nl2, *_expected(SMALL, SEQ), nl2, nl2, 4]
     assert nl2 not in adapter.special_token_ids
@@ -495,8 +478,7 @@ def test_double_newlines_next_to_a_span_are_ordinary_text(store, small):
 
 
 def test_a_gemma3_store_read_with_a_qwen_processor_fails_at_construction(filled):
-    with pytest.raises(mmstore.LayoutMismatchError):
-        mmstore.RolloutDataset(filled, Qwen2VLImageProcessorPil())
+    check_refused_by(filled, Qwen2VLImageProcessorPil())
 
 
 # --- vLLM ---------------------------------------------------------------------------------
@@ -509,7 +491,7 @@ def test_vllm_prompt_collapses_each_span_to_one_start_of_image(store, published)
     # image processor alone.
     adapter = mmstore.adapter_for(published.image_processor)
     boi = PUBLISHED["boi"]
-    a, b = store.put_image(_image(40, 30)), store.put_image(_image(7, 70))
+    a, b = store.put_image(gradient(40, 30)), store.put_image(gradient(7, 70))
     rollout = _rollout(adapter, "v", [2, boi, 3, boi], [a, b])
     with store.writer(run_id="v", step=0) as w:
         w.write(rollout)

@@ -19,8 +19,18 @@ from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProce
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._models import MediaRef
 from mmstore.integrations import vllm
+from tests.families_common import (
+    check_output_fits,
+    check_placeholder,
+    check_refused_by,
+    media_ref,
+    model_inputs,
+    sized,
+    tiny_model,
+    train_loss,
+    word_level_tokenizer,
+)
 
 # GLM-4.1V's tokenizer, as published (zai-org/GLM-4.1V-9B-Thinking).
 PUBLISHED = {
@@ -87,26 +97,15 @@ SIZES = [
 ]
 
 
-def _tokenizer(special):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({**WORDS, **special}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # Added tokens keep their vocab ids and split "<|image|><|image|>" without spaces.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>"
-    )
-
-
 def _processor(image_processor, special):
     from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
     from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 
     return Glm4vProcessor(
         image_processor=image_processor,
-        tokenizer=_tokenizer(special),
+        tokenizer=word_level_tokenizer(
+            {**WORDS, **special}, special, unk="[UNK]", pad="<|endoftext|>"
+        ),
         video_processor=Glm4vVideoProcessor(),
     )
 
@@ -118,10 +117,6 @@ def _image(width, height, seed=0):
     g = 255 * x / max(width - 1, 1)
     b = 255 * y / max(height - 1, 1)
     return Image.fromarray(np.stack([r, g, b], -1).astype(np.uint8))
-
-
-def _media(width, height):
-    return MediaRef(hash="0" * 32, uri="media/x.png", width=width, height=height)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +134,7 @@ def small():
 # -- the expansion against the real processor ------------------------------------------------
 
 
-@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@sized(SIZES)
 def test_expansion_is_what_the_processor_substitutes(published, width, height):
     adapter = mmstore.adapter_for(published)
     text = f"hello {IMAGE} look"
@@ -153,7 +148,7 @@ def test_expansion_is_what_the_processor_substitutes(published, width, height):
     assert adapter.num_tokens(width, height) == len(ids) - 4
     # expand() of the template's tokens is exactly the processor's token list
     prompt = published.tokenizer(text)["input_ids"]
-    tokens, refs = adapter.expand(prompt, [_media(width, height)])
+    tokens, refs = adapter.expand(prompt, [media_ref(width, height)])
     assert tokens == ids
     assert (refs[0].offset, refs[0].length) == (2, len(ids) - 4)
     assert refs[0].family == "glm4v"
@@ -161,18 +156,8 @@ def test_expansion_is_what_the_processor_substitutes(published, width, height):
     types = adapter.token_types(torch.tensor([ids]))["mm_token_type_ids"]
     assert types.tolist() == out["mm_token_type_ids"].tolist()
     # the placeholder has the processor's shapes; check_output accepts the real output
-    placeholder = adapter.placeholder(width, height)
-    for key in adapter.image_inputs:
-        assert placeholder[key].shape == out[key].shape, key
-    np.testing.assert_array_equal(placeholder["image_grid_thw"], out["image_grid_thw"])
-    adapter.check_output(
-        {k: out[k] for k in adapter.image_inputs}, refs[0], sample_id="s", image_index=0
-    )
-    with pytest.raises(mmstore.LayoutMismatchError):
-        wrong = refs[0].model_copy(update={"length": refs[0].length + 1})
-        adapter.check_output(
-            {k: out[k] for k in adapter.image_inputs}, wrong, sample_id="s", image_index=0
-        )
+    check_placeholder(adapter, out, width, height)
+    check_output_fits(adapter, {k: out[k] for k in adapter.image_inputs}, refs[0])
 
 
 @pytest.mark.parametrize(("width", "height"), [(1, 201), (201, 1), (3, 700), (300, 1)])
@@ -294,7 +279,6 @@ def test_fingerprint_differs_from_qwen_vl_with_the_same_numbers():
 def _tiny_model(dtype):
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
 
-    torch.manual_seed(0)
     config = Glm4vConfig(
         text_config=dict(
             vocab_size=32,
@@ -329,8 +313,7 @@ def _tiny_model(dtype):
         video_start_token_id=SMALL["<|begin_of_video|>"],
         video_end_token_id=SMALL["<|end_of_video|>"],
     )
-    config._attn_implementation = "sdpa"
-    return Glm4vForConditionalGeneration(config).to(dtype).eval()
+    return tiny_model(Glm4vForConditionalGeneration, config, dtype, attn="sdpa")
 
 
 def _write(store, adapter, processor, rows, *, run_id="r", step=0):
@@ -355,11 +338,6 @@ def _write(store, adapter, processor, rows, *, run_id="r", step=0):
             w.write(rollout)
             out.append(rollout)
     return out
-
-
-def _loss(model, loader, batch):
-    labels = batch["input_ids"].masked_fill(~batch["loss_mask"], -100)
-    return model(**{k: batch[k] for k in loader.model_input_names}, labels=labels).loss
 
 
 @pytest.fixture(scope="module")
@@ -398,7 +376,7 @@ def test_a_real_glm4v_model_trains_on_every_batch(filled, small, dtype):
     for batch in batches:
         assert batch["pixel_values"].dtype == dtype
         assert batch["image_grid_thw"].dtype == torch.int64
-        assert torch.isfinite(_loss(model, loader, batch)), batch["sample_ids"]
+        assert torch.isfinite(train_loss(model, loader, batch)), batch["sample_ids"]
     # The model itself refuses image tokens that do not line up with the pixels: a finite
     # loss above means the spans, grids and pixels agree.
     batch = batches[0]
@@ -406,7 +384,7 @@ def test_a_real_glm4v_model_trains_on_every_batch(filled, small, dtype):
     first = int((broken == SMALL["<|image|>"]).nonzero()[0, 1])
     broken[0, first] = WORDS["hello"]
     with pytest.raises(ValueError, match="do not match"):
-        model(**{**{k: batch[k] for k in loader.model_input_names}, "input_ids": broken})
+        model(**{**model_inputs(loader, batch), "input_ids": broken})
 
 
 def test_position_ids_are_the_models_own_for_each_sample(filled, small):
@@ -457,7 +435,7 @@ def test_a_text_only_batch_gets_a_dummy_image_the_model_runs(tmp_path, small, dt
     assert batch["dummy_image"]
     assert batch["image_grid_thw"].tolist() == [list(adapter.grid(*adapter.dummy_size))]
     assert int(batch["mm_token_type_ids"].sum()) == adapter.num_tokens(*adapter.dummy_size)
-    assert torch.isfinite(_loss(_tiny_model(dtype), loader, batch))
+    assert torch.isfinite(train_loss(_tiny_model(dtype), loader, batch))
 
 
 def test_missing_media_gives_placeholders_the_model_accepts(tmp_path, small):
@@ -479,7 +457,7 @@ def test_missing_media_gives_placeholders_the_model_accepts(tmp_path, small):
     rows = adapter.num_tokens(300, 200) * adapter.layout.param("merge_size") ** 2
     assert not batch["pixel_values"][:rows].any()
     assert batch["pixel_values"][rows:].any()
-    assert torch.isfinite(_loss(_tiny_model(torch.bfloat16), loader, batch))
+    assert torch.isfinite(train_loss(_tiny_model(torch.bfloat16), loader, batch))
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -518,9 +496,7 @@ def test_a_shifted_span_is_refused_by_the_writer(tmp_path, small):
 
 
 def test_a_glm_store_read_with_a_qwen_processor_fails_at_construction(filled):
-    qwen = Qwen2VLImageProcessorPil(size=SMALL_SIZE)
-    with pytest.raises(mmstore.LayoutMismatchError):
-        mmstore.RolloutDataset(filled, qwen)
+    check_refused_by(filled, Qwen2VLImageProcessorPil(size=SMALL_SIZE))
 
 
 # -- vLLM ----------------------------------------------------------------------------------------

@@ -17,6 +17,14 @@ from PIL import Image
 import mmstore
 from mmstore._synth import photo
 from mmstore.integrations import vllm
+from tests.families_common import (
+    check_output_fits,
+    check_placeholder,
+    check_refused_by,
+    model_output,
+    sized,
+    word_level_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_k25.image_processing_kimi_k25 import (  # noqa: E402
@@ -64,23 +72,13 @@ SIZES = [
 ]
 
 
-def _tokenizer(special: dict[str, int]):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({**WORDS, **special}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
-
-
 def _processor(image_processor, special: dict[str, int]):
     from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
     from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor
 
     return Kimi_K25Processor(
         image_processor=image_processor,
-        tokenizer=_tokenizer(special),
+        tokenizer=word_level_tokenizer({**WORDS, **special}, special, unk="[UNK]", pad="[PAD]"),
         video_processor=Kimi_K25VideoProcessor(),
     )
 
@@ -156,10 +154,8 @@ def _model(config, dtype):
 
 def _loss(model, loader, batch):
     # Labels on every attended token: a zero-loss batch (missing media) still gives a loss.
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     with torch.no_grad():
-        out = model(**{k: batch[k] for k in loader.model_input_names}, labels=labels)
-    return out.loss
+        return model_output(model, loader, batch, labels_on="attention_mask").loss
 
 
 def _ref(adapter, width, height):
@@ -195,7 +191,7 @@ def _rollout(sample_id, tokens, refs, **kw):
 # -- 1. the layout equals the real processor's, token for token -------------------------
 
 
-@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@sized(SIZES)
 def test_expansion_equals_the_real_processor(published_processor, width, height):
     adapter = mmstore.adapter_for(published_processor)
     text = f"a {IMAGE} b"
@@ -211,13 +207,10 @@ def test_expansion_equals_the_real_processor(published_processor, width, height)
 
     assert adapter.expansion(width, height) == expansion
     assert adapter.num_tokens(width, height) == len(expansion)
-    placeholder = adapter.placeholder(width, height)
-    for key in ("pixel_values", "image_grid_thw"):
-        assert placeholder[key].shape == out[key].shape, key
-        assert placeholder[key].dtype == out[key].dtype, key
-    assert placeholder["image_grid_thw"].tolist() == out["image_grid_thw"].tolist()
+    assert set(adapter.image_inputs) == {"pixel_values", "image_grid_thw"}
+    check_placeholder(adapter, out, width, height)
     outputs = {k: out[k] for k in adapter.image_inputs}
-    adapter.check_output(outputs, _ref(adapter, width, height), sample_id="s", image_index=0)
+    check_output_fits(adapter, outputs, _ref(adapter, width, height))
 
 
 def test_the_adapter_runs_the_same_processor_call(small_image_processor):
@@ -229,12 +222,7 @@ def test_the_adapter_runs_the_same_processor_call(small_image_processor):
         torch.from_numpy(out["pixel_values"]), torch.from_numpy(direct["pixel_values"])
     )
     assert out["image_grid_thw"].tolist() == [list(adapter.grid(90, 61))]
-    ref = _ref(adapter, 90, 61)
-    adapter.check_output(out, ref, sample_id="s", image_index=0)
-    with pytest.raises(mmstore.LayoutMismatchError):
-        adapter.check_output(
-            out, ref.model_copy(update={"length": ref.length + 1}), sample_id="s", image_index=0
-        )
+    check_output_fits(adapter, out, _ref(adapter, 90, 61))
 
 
 def test_layout_parameters_and_refusals():
@@ -392,8 +380,7 @@ def test_a_kimi_store_read_with_a_qwen_processor_fails_at_construction(tmp_path,
     _fill(store, kimi, small_processor)
     qwen = Qwen2VLImageProcessorPil()
     assert mmstore.adapter_for(qwen).fingerprint != kimi.fingerprint
-    with pytest.raises(mmstore.LayoutMismatchError):
-        mmstore.RolloutDataset(store, qwen)
+    check_refused_by(store, qwen)
     # The same store is fine for the Kimi processor, with or without its tokenizer.
     assert len(mmstore.RolloutDataset(store, small_processor.image_processor)) == 3
 

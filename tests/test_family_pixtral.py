@@ -15,8 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -28,8 +27,19 @@ from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._models import MediaRef
 from mmstore.integrations import vllm
+from tests.families_common import (
+    check_output_fits,
+    check_placeholder,
+    check_refused_by,
+    gradient,
+    media_ref,
+    noise,
+    sized,
+    tiny_model,
+    train_loss,
+    word_level_tokenizer,
+)
 
 # A test tokenizer whose image tokens sit away from the published ids (10, 12, 13; pad 11),
 # so a test can tell which ids an adapter took.
@@ -90,22 +100,10 @@ SIZES = [
 UNREPRESENTABLE = [(5000, 1), (1, 5000), (3082, 1)]
 
 
-def _image(width: int, height: int, seed: int | None = None) -> Image.Image:
-    if seed is not None:  # noise: different content per seed, and resampling that rounds
-        rng = np.random.default_rng(seed)
-        return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
-    y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
-    return Image.fromarray(np.broadcast_to((x + y) / 2, (height, width, 3)).astype(np.uint8))
-
-
 def _tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Special, so "[IMG][IMG][IMG_BREAK]" (what the processor writes) splits into tokens.
     specials = ("[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+    return word_level_tokenizer(VOCAB, specials, unk="<unk>", pad="<pad>")
 
 
 def _processor(image_processor, *, patch_size: int, merge: int) -> PixtralProcessor:
@@ -154,11 +152,11 @@ def test_enough_sizes():
 
 
 @pytest.mark.parametrize("processor_name", ["mistral3", "pixtral12b"])
-@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+@sized(SIZES)
 def test_expansion_and_placeholder_match_the_real_processor(request, processor_name, width, height):
     processor = request.getfixturevalue(processor_name)
     adapter = mmstore.adapter_for(processor)
-    image = _image(width, height)
+    image = gradient(width, height)
     try:
         expansion = adapter.expansion(width, height)
     except mmstore.ImageSizeError:  # fitted into Pixtral-12B's 1024 px, 1540x1 has 0 rows
@@ -171,14 +169,12 @@ def test_expansion_and_placeholder_match_the_real_processor(request, processor_n
     assert expansion == _strip_text(out["input_ids"])
     assert adapter.num_tokens(width, height) == len(expansion)
     assert expansion[-1] == END and set(expansion) <= {IMG, BREAK, END}
-    placeholder = adapter.placeholder(width, height)
-    assert placeholder["pixel_values"].shape == out["pixel_values"].shape
-    assert placeholder["pixel_values"].dtype == np.float32 and not placeholder["pixel_values"].any()
-    np.testing.assert_array_equal(placeholder["image_sizes"], out["image_sizes"])
+    placeholder = check_placeholder(adapter, out, width, height)
+    assert placeholder["pixel_values"].dtype == np.float32
     assert adapter.pixel_shape(width, height) == out["pixel_values"].shape
 
-    _, [ref] = adapter.expand([IMG], [_media(width, height)])
-    adapter.check_output(out, ref, sample_id="s", image_index=0)
+    _, [ref] = adapter.expand([IMG], [media_ref(width, height)])
+    check_output_fits(adapter, out, ref)
 
 
 @pytest.mark.parametrize(("width", "height"), UNREPRESENTABLE)
@@ -187,7 +183,7 @@ def test_sizes_the_processor_cannot_resize_raise_image_size_error(mistral3, widt
     with pytest.raises(mmstore.ImageSizeError, match="0 pixels"):
         adapter.expansion(width, height)
     with pytest.raises(ValueError):  # the processor fails on them too
-        mistral3(text="hello [IMG] world", images=[_image(width, height)])
+        mistral3(text="hello [IMG] world", images=[gradient(width, height)])
 
 
 @pytest.mark.parametrize(("width", "height"), [(1, 1), (3, 7), (100, 60), (641, 479), (999, 5)])
@@ -199,7 +195,7 @@ def test_the_processors_patch_size_decides_not_the_image_processors(width, heigh
     )
     adapter = mmstore.adapter_for(processor)
     assert adapter.layout.param("patch_size") == 14
-    image = _image(width, height)
+    image = gradient(width, height)
     out = processor(text="hello [IMG] world", images=[image], return_tensors="np")
     assert adapter.expansion(width, height) == _strip_text(out["input_ids"])
     ours = adapter.process([image])
@@ -210,7 +206,7 @@ def test_the_processors_patch_size_decides_not_the_image_processors(width, heigh
 def test_check_output_refuses_a_grid_of_the_right_count_but_wrong_shape(mistral3):
     adapter = mmstore.adapter_for(mistral3)
     # 84x56 is 3 columns x 2 rows: 2 * (3 + 1) = 8 tokens; 28x112 (1 x 4) is 8 tokens too.
-    _, [ref] = adapter.expand([IMG], [_media(84, 56)])
+    _, [ref] = adapter.expand([IMG], [media_ref(84, 56)])
     assert ref.length == 8
     wrong = {"pixel_values": np.zeros((1, 3, 112, 28)), "image_sizes": np.array([[112, 28]])}
     with pytest.raises(mmstore.LayoutMismatchError, match="resized") as info:
@@ -227,7 +223,7 @@ def test_torchvision_backend_matches_the_pil_backend():
     # (in normalized units, 2 / 255 / std), which is within 2 bf16 ulps of these values.
     levels = 2 / 255 / min(pil.image_std)
     for seed, (width, height) in enumerate([(1, 1), (3, 7), (100, 60), (641, 479), (1920, 1080)]):
-        image = _image(width, height, seed=seed)
+        image = noise(width, height, seed)
         x, y = a.process([image]), b.process([image])
         np.testing.assert_array_equal(x["image_sizes"], y["image_sizes"])
         assert x["pixel_values"].shape == y["pixel_values"].shape == a.pixel_shape(width, height)
@@ -306,11 +302,6 @@ def test_settings_without_an_exact_layout_are_refused(make, match):
 # --- 3. store -> loader -> a real Mistral 3 model -------------------------------------------
 
 
-def _media(width: int, height: int, n: int = 0) -> MediaRef:
-    digest = f"{n:032x}"
-    return MediaRef(hash=digest, uri=f"media/{digest}.png", width=width, height=height)
-
-
 def _row(adapter, sid, prompt, media, completion=(4, 3, 2)):
     tokens, refs = adapter.expand(prompt, media)
     return mmstore.Rollout(
@@ -333,7 +324,7 @@ def filled(tmp_path, small):
     """Run "r": [2 images], [text only], [1 image], [1 image]; run "t": text only."""
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small)
-    media = [store.put_image(_image(w, h, seed)) for w, h, seed in TRAIN_IMAGES]
+    media = [store.put_image(noise(w, h, seed)) for w, h, seed in TRAIN_IMAGES]
     with store.writer(run_id="r", step=0, adapter=adapter) as w:
         w.write(_row(adapter, "a", [1, 3, IMG, 4, IMG, 3], media[:2]))
         w.write(_row(adapter, "b", [1, 3, 4], []))
@@ -346,7 +337,6 @@ def filled(tmp_path, small):
 
 
 def _tiny_mistral3(dtype: torch.dtype) -> Mistral3ForConditionalGeneration:
-    torch.manual_seed(0)
     config = Mistral3Config(
         vision_config=dict(
             model_type="pixtral",
@@ -371,13 +361,7 @@ def _tiny_mistral3(dtype: torch.dtype) -> Mistral3ForConditionalGeneration:
         spatial_merge_size=2,
         image_token_index=IMG,
     )
-    config._attn_implementation = "eager"
-    return Mistral3ForConditionalGeneration(config).to(dtype).eval()
-
-
-def _loss(model, loader, batch):
-    labels = batch["input_ids"].masked_fill(~batch["loss_mask"], -100)
-    return model(**{k: batch[k] for k in loader.model_input_names}, labels=labels).loss
+    return tiny_model(Mistral3ForConditionalGeneration, config, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -391,9 +375,9 @@ def test_a_real_mistral3_model_trains_on_every_batch(filled, small, dtype):
     assert [b["sample_ids"] for b in batches] == [["a", "b"], ["c", "d"]]
     for batch in batches:
         assert batch["pixel_values"].dtype == dtype and batch["image_sizes"].dtype == torch.int64
-        assert torch.isfinite(_loss(model, loader, batch))
+        assert torch.isfinite(train_loss(model, loader, batch))
     # Padding: the image processor's own batch of the same images, pixel for pixel.
-    images = [_image(w, h, seed) for w, h, seed in TRAIN_IMAGES[2:]]
+    images = [noise(w, h, seed) for w, h, seed in TRAIN_IMAGES[2:]]
     theirs = small.image_processor(images=images, patch_size=16, return_tensors="pt")
     torch.testing.assert_close(batches[1]["pixel_values"], theirs["pixel_values"].to(dtype))
     torch.testing.assert_close(batches[1]["image_sizes"], theirs["image_sizes"])
@@ -404,7 +388,7 @@ def test_a_real_mistral3_model_trains_on_every_batch(filled, small, dtype):
         torch.arange(int((broken["input_ids"] == IMG).sum())) == 0, 3, IMG
     )
     with pytest.raises((ValueError, RuntimeError)):
-        _loss(model, loader, broken)
+        train_loss(model, loader, broken)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -417,7 +401,7 @@ def test_a_text_only_batch_gets_a_dummy_image_the_model_takes(filled, small, dty
     # Two tokens wide: Mistral3's get_image_features squeezes a lone feature token away.
     assert batch["image_sizes"].tolist() == [[16, 32]]
     assert batch["input_ids"][0, -3:].tolist() == [IMG, IMG, END]
-    assert torch.isfinite(_loss(model, loader, batch))
+    assert torch.isfinite(train_loss(model, loader, batch))
 
 
 def test_position_ids_are_1d_rope_positions_the_model_uses(filled, small):
@@ -440,7 +424,7 @@ def test_position_ids_are_1d_rope_positions_the_model_uses(filled, small):
 
 def test_a_shifted_or_reshaped_span_is_refused_by_the_writer(filled, small):
     adapter = mmstore.adapter_for(small)
-    media = filled.put_image(_image(*TRAIN_IMAGES[0][:2], seed=TRAIN_IMAGES[0][2]))
+    media = filled.put_image(noise(*TRAIN_IMAGES[0]))
     good = _row(adapter, "x", [1, IMG, 3], [media])
     ref = good.images[0]
     shifted = good.model_copy(update={"images": [ref.model_copy(update={"offset": 2})]})
@@ -461,10 +445,8 @@ def test_a_shifted_or_reshaped_span_is_refused_by_the_writer(filled, small):
 def test_a_qwen_processor_cannot_read_a_pixtral_store(filled, small):
     qwen = Qwen2VLImageProcessorPil(max_pixels=256 * 28 * 28)
     assert mmstore.adapter_for(qwen).fingerprint != mmstore.adapter_for(small).fingerprint
-    with pytest.raises(mmstore.LayoutMismatchError):
-        mmstore.RolloutDataset(filled, qwen)
-    with pytest.raises(mmstore.LayoutMismatchError):  # nor another Pixtral layout
-        mmstore.RolloutDataset(filled, PixtralImageProcessorPil(patch_size=8))
+    check_refused_by(filled, qwen)
+    check_refused_by(filled, PixtralImageProcessorPil(patch_size=8))  # nor another Pixtral layout
 
 
 # --- 5. missing media ---------------------------------------------------------------------
@@ -473,7 +455,7 @@ def test_a_qwen_processor_cannot_read_a_pixtral_store(filled, small):
 def test_missing_media_placeholders_are_accepted_by_the_model(tmp_path, small):
     store = mmstore.Store.open(tmp_path / "m", create=True)
     adapter = mmstore.adapter_for(small)
-    lost, kept = store.put_image(_image(50, 30, seed=7)), store.put_image(_image(20, 60, seed=8))
+    lost, kept = store.put_image(noise(50, 30, 7)), store.put_image(noise(20, 60, 8))
     with store.writer(run_id="m", step=0, adapter=adapter) as w:
         w.write(_row(adapter, "lost", [1, IMG, 3], [lost]))
         w.write(_row(adapter, "kept", [1, IMG, 4], [kept]))
@@ -489,7 +471,7 @@ def test_missing_media_placeholders_are_accepted_by_the_model(tmp_path, small):
     sizes = [list(adapter.resized(50, 30)), list(adapter.resized(20, 60))]
     assert batch["image_sizes"].tolist() == sizes
     assert not batch["pixel_values"][0].any() and batch["pixel_values"][1].any()
-    assert torch.isfinite(_loss(model, loader, batch))
+    assert torch.isfinite(train_loss(model, loader, batch))
 
 
 # --- 6. vLLM ------------------------------------------------------------------------------
@@ -510,7 +492,7 @@ def _vllm_replacement(width: int, height: int, *, side: int, longest: int) -> li
 def test_vllm_prompt_holds_one_image_token_per_image(store, mistral3):
     adapter = mmstore.adapter_for(mistral3.image_processor)  # the published tokenizer's ids
     sizes = [(641, 479), (3840, 2160)]
-    media = [store.put_image(_image(w, h)) for w, h in sizes]
+    media = [store.put_image(gradient(w, h)) for w, h in sizes]
     prompt = [1, 3, 10, 4, 10, 3]
     rollout = _row(adapter, "v", prompt, media)
     for (w, h), ref in zip(sizes, rollout.images, strict=True):

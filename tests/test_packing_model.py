@@ -135,14 +135,15 @@ def test_a_1d_rope_family_packed_matches_it_alone(tmp_path, attn):
     """Mistral 3 (Pixtral layout, 1-D RoPE): position ids restart at 0 per sample."""
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    from tests.test_family_pixtral import END, IMG, _image, _processor, _row, _tiny_mistral3
+    from tests.families_common import noise
+    from tests.test_family_pixtral import END, IMG, _processor, _row, _tiny_mistral3
 
     processor = _processor(
         PixtralImageProcessorPil(patch_size=8, size={"longest_edge": 64}), patch_size=8, merge=2
     )
     adapter = mmstore.adapter_for(processor)
     store = mmstore.Store.open(tmp_path / "s", create=True)
-    media = [store.put_image(_image(w, h, seed)) for w, h, seed in [(40, 20, 1), (64, 64, 2)]]
+    media = [store.put_image(noise(w, h, seed)) for w, h, seed in [(40, 20, 1), (64, 64, 2)]]
     with store.writer(run_id="r", step=0, adapter=adapter) as w:
         for k in range(8):
             images = media[: k % 3]  # 0, 1 or 2 images

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmstore
-from mmstore._synth import grpo_rollouts
+from mmstore._synth import grpo_rollouts, photo
 
 ray = pytest.importorskip("ray")
 mmray = pytest.importorskip("mmstore.integrations.ray")
@@ -134,3 +134,23 @@ def test_read_rollouts_materializes_every_sample(cluster, filled, small_processo
         assert row["pixel_values"].shape[0] == int(np.prod(row["image_grid_thw"], -1).sum())
         tokens = int((row["input_ids"] == adapter.image_token_id).sum())
         assert tokens * 4 == row["pixel_values"].shape[0]
+
+
+def test_read_rollouts_refuses_a_forged_row_naming_its_file(cluster, tmp_path, small_processor):
+    from tests.test_reader_trust import forge, make_row
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    media = [store.put_image(photo(seed, 56, 56)) for seed in range(2)]
+    bad = make_row(adapter, media, "bad")
+    bad["images"][0]["offset"] += 1  # the span no longer covers the image's tokens
+    path = forge(store, adapter, [make_row(adapter, media, "ok"), bad])
+    data = mmray.read_rollouts(store, small_processor, concurrency=1, resources=ON_WORKER_NODE)
+    with pytest.raises(Exception) as info:
+        data.take_all()
+    # Ray re-raises the actor's error as its own type; the message is the loader's, with
+    # the loader's context: file, run, step and sample.
+    message = str(info.value)
+    assert "InvalidRolloutError" in message
+    assert f"file={path!r}" in message and "run_id='forged'" in message
+    assert "step=0" in message and "sample_id='bad'" in message

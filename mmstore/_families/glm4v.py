@@ -27,23 +27,16 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._exceptions import ImageSizeError, InvalidRolloutError, UnsupportedProcessorError
-from ._base import size_value
-from ._grid import GridFamily, weightless_rope_index
+from .._exceptions import InvalidRolloutError
+from ._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch
 
 
-class Glm4v(GridFamily):
+class Glm4v(SmartResizeFamily):
     name = "glm4v"
-    parameter_names = (
-        "patch_size",
-        "temporal_patch_size",
-        "merge_size",
-        "min_pixels",
-        "max_pixels",
-    )
+    title = "GLM-4V"
     # GLM-4.1V-9B's tokenizer (zai-org/GLM-4.1V-9B-Thinking): `<|image|>` 151343 is its config's
     # image_token_id (transformers' Glm4vConfig default); `<|begin_of_image|>` 151339 and
     # `<|end_of_image|>` 151340 are its image_start/end_token_id; `<|endoftext|>` 151329 is the
@@ -60,50 +53,27 @@ class Glm4v(GridFamily):
         "image_end_token_id": "<|end_of_image|>",
         "pad_token_id": "<|endoftext|>",
     }
-    token_type_input = "mm_token_type_ids"
-    position_rows = 3
-
-    @classmethod
-    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
-        if not getattr(image_processor, "do_resize", True):
-            # Without smart_resize the grid is the raw size, which the layout cannot promise.
-            raise UnsupportedProcessorError(
-                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
-                "the GLM-4V one (images must be resized to multiples of patch*merge)"
-            )
-        size = image_processor.size
-        # The processor's resize reads exactly these two keys (and refuses a size without them).
-        return {
-            "patch_size": int(image_processor.patch_size),
-            "temporal_patch_size": int(image_processor.temporal_patch_size),
-            "merge_size": int(image_processor.merge_size),
-            "min_pixels": size_value(size, "shortest_edge"),
-            "max_pixels": size_value(size, "longest_edge"),
-        }
+    # The processor's resize reads exactly these two keys (and refuses a size without them).
+    size_keys: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "min_pixels": ("shortest_edge",),
+        "max_pixels": ("longest_edge",),
+    }
 
     # -- layout math --------------------------------------------------------------------
 
-    def grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
-        if width <= 0 or height <= 0:
-            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+    def smart_resize(self, width: int, height: int) -> tuple[int, int]:
         p = self.layout.param
         temporal = p("temporal_patch_size")
-        try:
-            resized_h, resized_w = _smart_resize()(
-                num_frames=temporal,  # an image is `temporal` identical frames
-                height=height,
-                width=width,
-                temporal_factor=temporal,
-                factor=p("patch_size") * p("merge_size"),
-                min_pixels=p("min_pixels"),
-                max_pixels=p("max_pixels"),
-            )
-        except ValueError as exc:  # transformers refuses aspect ratios above 200
-            raise ImageSizeError(
-                f"{self.family} cannot lay out a {width}x{height} image: {exc}"
-            ) from None
-        return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
+        resized: tuple[int, int] = _smart_resize()(
+            num_frames=temporal,  # an image is `temporal` identical frames
+            height=height,
+            width=width,
+            temporal_factor=temporal,
+            factor=p("patch_size") * p("merge_size"),
+            min_pixels=p("min_pixels"),
+            max_pixels=p("max_pixels"),
+        )
+        return resized
 
     # -- positions ----------------------------------------------------------------------
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .._exceptions import ImageSizeError, UnsupportedProcessorError
+from .._exceptions import UnsupportedProcessorError
 from ._base import size_value
 from ._grid import GridFamily
 
 
 class KimiK25(GridFamily):
     name = "kimi-k25"
+    title = "Kimi-K2.5"
     # The processor attributes navit_resize and patchify read; nothing else moves a token.
     parameter_names = ("patch_size", "merge_size", "max_patches", "max_size_per_side")
     # Kimi-K2.5's published ids: `image_token_id` is transformers' Kimi_K25Config default and
@@ -48,14 +49,10 @@ class KimiK25(GridFamily):
 
     @classmethod
     def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
-        if not getattr(image_processor, "do_resize", True):
-            # Without navit_resize nothing pads the image to whole merge windows: the grid is
-            # the raw size (or patchify fails), which the layout cannot promise.
-            raise UnsupportedProcessorError(
-                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
-                "the Kimi-K2.5 one (images must be resized and padded to multiples of "
-                "patch*merge)"
-            )
+        # Without navit_resize nothing pads the image to whole merge windows.
+        cls.require_resize(
+            image_processor, "images must be resized and padded to multiples of patch*merge"
+        )
         size = image_processor.size
         side = size_value(size, "max_height")
         if size_value(size, "max_width") != side:
@@ -73,10 +70,8 @@ class KimiK25(GridFamily):
 
     # -- layout math --------------------------------------------------------------------
 
-    def grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
-        if width <= 0 or height <= 0:
-            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+    def resize(self, width: int, height: int) -> tuple[int, int]:
+        """Resized, then padded to whole merge windows: the padded size is what is cut."""
         p = self.layout.param
         _, (pad_h, pad_w) = _navit_resize()(
             height,
@@ -86,7 +81,7 @@ class KimiK25(GridFamily):
             max_patches=p("max_patches"),
             max_size_per_side=p("max_size_per_side"),
         )
-        return 1, pad_h // p("patch_size"), pad_w // p("patch_size")
+        return pad_h, pad_w
 
     def pixel_shape(self, width: int, height: int) -> tuple[int, int, int, int]:
         """Shape of this image's rows of ``pixel_values``: (patches, channels, p, p)."""

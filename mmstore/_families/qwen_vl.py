@@ -12,23 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._exceptions import ImageSizeError, UnsupportedProcessorError
-from ._base import size_value
-from ._grid import GridFamily, weightless_rope_index
+from ._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch
 
 
-class QwenVL(GridFamily):
+class QwenVL(SmartResizeFamily):
     name = "qwen-vl"
-    parameter_names = (
-        "patch_size",
-        "temporal_patch_size",
-        "merge_size",
-        "min_pixels",
-        "max_pixels",
-    )
+    title = "Qwen-VL"
     # Qwen2-VL / 2.5-VL / 3-VL tokenizers: `<|image_pad|>` and `<|endoftext|>` (the pad token).
     published_token_ids: ClassVar[Mapping[str, int]] = {
         "image_token_id": 151655,
@@ -38,46 +30,24 @@ class QwenVL(GridFamily):
         "image_token_id": "<|image_pad|>",
         "pad_token_id": "<|endoftext|>",
     }
-    token_type_input = "mm_token_type_ids"
-    position_rows = 3
-
-    @classmethod
-    def read_parameters(cls, image_processor: Any, processor: Any) -> dict[str, Any]:
-        if not getattr(image_processor, "do_resize", True):
-            # Without smart_resize the grid is the raw size, which the layout cannot promise.
-            raise UnsupportedProcessorError(
-                f"{type(image_processor).__name__} has do_resize=False: its token layout is not "
-                "the Qwen-VL one (images must be resized to multiples of patch*merge)"
-            )
-        size = image_processor.size
-        return {
-            "patch_size": int(image_processor.patch_size),
-            "temporal_patch_size": int(image_processor.temporal_patch_size),
-            "merge_size": int(image_processor.merge_size),
-            "min_pixels": size_value(size, "shortest_edge", "min_pixels"),
-            "max_pixels": size_value(size, "longest_edge", "max_pixels"),
-        }
+    # Either key of each bound: the processor's resize accepts both spellings.
+    size_keys: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "min_pixels": ("shortest_edge", "min_pixels"),
+        "max_pixels": ("longest_edge", "max_pixels"),
+    }
 
     # -- layout math --------------------------------------------------------------------
 
-    def grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``(t, h, w)`` patch grid of one image, exactly as the processor computes it."""
-        if width <= 0 or height <= 0:
-            raise ImageSizeError(f"image size must be positive, got {width}x{height}")
+    def smart_resize(self, width: int, height: int) -> tuple[int, int]:
         p = self.layout.param
-        try:
-            resized_h, resized_w = _smart_resize()(
-                height,
-                width,
-                factor=p("patch_size") * p("merge_size"),
-                min_pixels=p("min_pixels"),
-                max_pixels=p("max_pixels"),
-            )
-        except ValueError as exc:  # transformers refuses aspect ratios above 200
-            raise ImageSizeError(
-                f"{self.family} cannot lay out a {width}x{height} image: {exc}"
-            ) from None
-        return 1, resized_h // p("patch_size"), resized_w // p("patch_size")
+        resized: tuple[int, int] = _smart_resize()(
+            height,
+            width,
+            factor=p("patch_size") * p("merge_size"),
+            min_pixels=p("min_pixels"),
+            max_pixels=p("max_pixels"),
+        )
+        return resized
 
     # -- positions ----------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ Two entry points:
 - :func:`read_rollouts` is a ``ray.data.Dataset`` of materialized samples, one row each: Ray
   reads the committed Parquet files (hive partitions typed: ``run_id`` a string, ``step`` an
   integer; only the columns the trainer needs), and an actor pool of CPU workers, each with
-  its own processor, cache and dtype cast, turns rows into model inputs. Use it for offline
-  preprocessing, evaluation and analysis: its order is Ray's.
+  its own processor, cache and dtype cast, turns its Arrow batches into model inputs through
+  the loader's own checks (a bad row raises naming its file, run, step and sample). Use it
+  for offline preprocessing, evaluation and analysis: its order is Ray's.
 - :func:`iter_batches` feeds a trainer rank: it yields exactly the batches (or packed
   micro-batches) that ``loader`` would yield itself, in the same order, with the
   materialization done by Ray actors, possibly on other nodes. The rank's share comes from
@@ -25,13 +26,17 @@ a reordered or lost batch is an error, never a silent gap. Resume is ``loader.st
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from .._exceptions import InvalidArgumentError, MmstoreError
+from .._rowcheck import FILE_COLUMN, ROW_COLUMNS, conform
+from .._scan import take_snapshot
 
 if TYPE_CHECKING:
     import ray.data
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
     from .._store import Store
 
 __all__ = ["iter_batches", "read_rollouts"]
+
+PATH_COLUMN = "path"  # the file of each row, added by read_parquet(include_paths=True)
 
 
 def _ray() -> Any:
@@ -57,7 +64,13 @@ def _ray() -> Any:
 
 
 class _Materialize:
-    """A Ray actor: rows (Arrow) -> materialized samples (numpy), with its own cache."""
+    """A Ray actor: Arrow batches -> materialized samples (numpy), with its own cache.
+
+    The batch goes through the loader's own path: :func:`._rowcheck.conform` casts each
+    file's rows to the v1 types (or refuses them naming the file), and
+    :meth:`Materializer.samples` runs the reader's checks (spans, sizes, trust) row by row
+    on Arrow views, so no row becomes Python values first.
+    """
 
     def __init__(self, store: Store, image_processor: Any, dtype: str, missing: str) -> None:
         import torch
@@ -71,16 +84,20 @@ class _Materialize:
             dtype=getattr(torch, dtype),
             missing=missing,  # type: ignore[arg-type]
         )
+        self.base = store.backend.abspath("")
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        rows = _rows(batch)
+    def __call__(self, batch: pa.Table) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
-        for row in rows:
-            sample = self.materializer.sample(row)
+        if batch.num_rows == 0:
+            return out
+        table = _conformed(batch, self.base)
+        runs, steps = batch.column("run_id").to_pylist(), batch.column("step").to_pylist()
+        samples = self.materializer.samples(table)
+        for run_id, step, sample in zip(runs, steps, samples, strict=True):
             images = self.materializer.adapter.collate_images(sample.images)
             record = {
-                "run_id": row["run_id"],
-                "step": row["step"],
+                "run_id": run_id,
+                "step": step,
                 "sample_id": sample.sample_id,
                 "group_id": sample.group_id,
                 "input_ids": sample.input_ids.numpy(),
@@ -94,21 +111,23 @@ class _Materialize:
         return out
 
 
-def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """Ray hands numpy columns; the materializer takes the plain values of one row."""
-    names = list(batch)
-    n = len(batch[names[0]]) if names else 0
-    return [{k: _plain(batch[k][i]) for k in names} for i in range(n)]
+def _conformed(batch: pa.Table, base: str) -> pa.Table:
+    """The loader's columns of ``batch`` cast to the v1 types file by file (a batch may
+    span files), each row's store-relative file in ``_file`` for the errors' context."""
+    parts, start = [], 0
+    for path, rows in itertools.groupby(batch.column(PATH_COLUMN).to_pylist()):
+        n = len(list(rows))
+        file = _relative(path, base)
+        part = conform(batch.slice(start, n), ROW_COLUMNS, file=file)
+        parts.append(part.append_column(FILE_COLUMN, pa.array([file] * n, pa.string())))
+        start += n
+    return pa.concat_tables(parts)
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+def _relative(path: str, base: str) -> str:
+    """Ray's ``path`` (as the store's filesystem names it) -> the store-relative path."""
+    prefix = base.rstrip("/") + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -140,8 +159,6 @@ def read_rollouts(
     from ray.data.datasource import Partitioning
     from ray.data.datasource.partitioning import PartitionStyle
 
-    from .._scan import ROW_COLUMNS, take_snapshot
-
     snapshot = take_snapshot(store, runs, steps)
     if not snapshot.files:
         raise InvalidArgumentError(f"no committed rollout files match runs={runs} steps={steps}")
@@ -155,6 +172,7 @@ def read_rollouts(
             base_dir=backend.abspath("rollouts"),
             field_types={"run_id": str, "step": int},
         ),
+        include_paths=True,
     )
     return data.map_batches(
         _Materialize,
@@ -165,7 +183,7 @@ def read_rollouts(
             "missing": missing,
         },
         batch_size=batch_size,
-        batch_format="numpy",
+        batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=concurrency),
         num_cpus=num_cpus,
         resources=resources,

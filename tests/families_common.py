@@ -1,0 +1,134 @@
+"""Scaffolding the family tests share (tests/test_family_*.py, tests/test_adapter.py).
+
+Offline tokenizers, test images and media refs, tiny random-weight models and their loss, and
+the checks every family's layout must pass against the output of its real processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import mmstore
+from mmstore._models import MediaRef
+
+
+def sized(sizes: Sequence[tuple[int, int]]) -> Any:
+    """``parametrize`` over (width, height) pairs, each test id ``WxH``."""
+    return pytest.mark.parametrize(("width", "height"), sizes, ids=[f"{w}x{h}" for w, h in sizes])
+
+
+# -- tokenizers, images, media ----------------------------------------------------------------
+
+
+def word_level_tokenizer(
+    vocab: Mapping[str, int],
+    specials: Iterable[str] = (),
+    *,
+    unk: str,
+    pad: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A WordLevel tokenizer over ``vocab``, split on white space, built offline.
+
+    ``specials`` become added special tokens at their vocab ids, so the processor's
+    "<|image|><|image|>" (no spaces) splits into tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(dict(vocab), unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    added = [AddedToken(t, special=True, normalized=False) for t in specials]
+    if added:
+        backend.add_special_tokens(added)
+    if pad is not None:
+        kwargs["pad_token"] = pad
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, **kwargs)
+
+
+def gradient(width: int, height: int) -> Image.Image:
+    """A diagonal gradient: ordinary pixels, so the processor's resize has something to do."""
+    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
+    return Image.fromarray(np.broadcast_to((x + y) / 2, (height, width, 3)).astype(np.uint8))
+
+
+def noise(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Uniform noise: other content per seed, and a resampling that rounds."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def media_ref(width: int, height: int, n: int = 0) -> MediaRef:
+    """A media ref of that size (no bytes behind it): for layout math and ``expand``."""
+    digest = f"{n:032x}"
+    return MediaRef(hash=digest, uri=f"media/{digest}.png", width=width, height=height)
+
+
+# -- tiny models --------------------------------------------------------------------------------
+
+
+def tiny_model(model_cls: Any, config: Any, dtype: torch.dtype, *, attn: str = "eager") -> Any:
+    """A random-weight ``model_cls`` (seeded: the same weights every call), cast, in eval mode."""
+    torch.manual_seed(0)
+    config._attn_implementation = attn
+    return model_cls(config).to(dtype).eval()
+
+
+def model_inputs(loader: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """What the loader says its model takes, from one of its batches."""
+    return {k: batch[k] for k in loader.model_input_names}
+
+
+def model_output(model: Any, loader: Any, batch: Mapping[str, Any], *, labels_on: str) -> Any:
+    """The model's output on ``batch``, labelled on the tokens where ``batch[labels_on]``."""
+    labels = batch["input_ids"].masked_fill(~batch[labels_on].bool(), -100)
+    return model(**model_inputs(loader, batch), labels=labels)
+
+
+def train_loss(model: Any, loader: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The training loss of ``batch``: labels on the loss mask."""
+    return model_output(model, loader, batch, labels_on="loss_mask").loss
+
+
+# -- checks against the real processor -----------------------------------------------------------
+
+
+def check_placeholder(
+    adapter: Any, outputs: Mapping[str, Any], width: int, height: int
+) -> dict[str, np.ndarray]:
+    """The family's placeholder for a ``width`` x ``height`` image has the processor's
+    tensors: each of its image inputs in the same shape and dtype, floats all zero, integer
+    tensors (grids, sizes) equal. Returns the placeholder."""
+    placeholder = adapter.placeholder(width, height)
+    for key in adapter.image_inputs:
+        ours, theirs = placeholder[key], np.asarray(outputs[key])
+        assert ours.shape == theirs.shape, key
+        assert ours.dtype == theirs.dtype, key
+        if np.issubdtype(ours.dtype, np.floating):
+            assert not ours.any(), key
+        else:
+            np.testing.assert_array_equal(ours, theirs, err_msg=key)
+    return placeholder
+
+
+def check_output_fits(adapter: Any, outputs: Mapping[str, Any], ref: Any) -> None:
+    """``check_output`` accepts the processor's real output for ``ref`` and refuses it for a
+    ref whose span is one token longer."""
+    adapter.check_output(outputs, ref, sample_id="s", image_index=0)
+    longer = ref.model_copy(update={"length": ref.length + 1})
+    with pytest.raises(mmstore.LayoutMismatchError):
+        adapter.check_output(outputs, longer, sample_id="s", image_index=0)
+
+
+def check_refused_by(store: mmstore.Store, other_processor: Any) -> None:
+    """A store laid out by one family cannot be read with another family's processor: the
+    dataset refuses it when it is built, before any batch."""
+    with pytest.raises(mmstore.LayoutMismatchError):
+        mmstore.RolloutDataset(store, other_processor)
