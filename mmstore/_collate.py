@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 
+from . import _buffers
 from ._materialize import Sample, cast_floats
 from ._worker import prefault
 
@@ -89,14 +90,20 @@ def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` on the first axis, straight into shared memory inside a DataLoader worker.
 
     A batch leaves a worker through shared memory; concatenating there (as torch's
-    default_collate does) saves one copy of the largest tensor of the batch.
+    default_collate does) saves one copy of the largest tensor of the batch, and
+    concatenating into a buffer the trainer is done with (:mod:`._buffers`) saves faulting
+    fresh pages in.
     """
     out = None
     if get_worker_info() is not None:
         first = tensors[0]
-        storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
-        out = first.new(storage).resize_(sum(t.shape[0] for t in tensors), *first.shape[1:])
-        prefault(out)
+        shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+        # A buffer an earlier batch of this worker left (its pages in), else fresh ones.
+        out = _buffers.active.empty(first, shape) if _buffers.active is not None else None
+        if out is None:
+            storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
+            out = first.new(storage).resize_(shape)
+            prefault(out)
     return torch.cat(list(tensors), out=out)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ._buffers import BatchBuffers, Labelled
 from ._collate import collate
 from ._exceptions import InvalidArgumentError, LayoutMismatchError
 from ._families import adapter_for
@@ -37,7 +38,7 @@ from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
 from ._store import Store
-from ._worker import check_worker_threads, init_worker
+from ._worker import check_worker_threads, init_worker, start_method
 
 STATE_VERSION = 1
 
@@ -451,8 +452,9 @@ class RolloutLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
         stream = self._stream(self.epoch, self.batches_yielded, total)
+        buffers = self._batch_buffers()
         loader = DataLoader(
-            stream,
+            stream if buffers is None else Labelled(stream, buffers),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers else None,
@@ -462,6 +464,8 @@ class RolloutLoader:
             worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for batch in loader:
+            if buffers is not None:
+                buffers.track(batch)
             if batch["images_missing"]:
                 warnings.warn(
                     f"{batch['images_missing']} sample(s) had missing media, replaced by "
@@ -472,6 +476,16 @@ class RolloutLoader:
             yield batch
         if self.batches_yielded >= total:
             self._start_epoch(self.epoch + 1)
+
+    def _batch_buffers(self) -> BatchBuffers | None:
+        """Reusable shared memory for the workers' batches (:mod:`._buffers`): forked
+        workers only (they inherit the table of flags it shares)."""
+        if not self.num_workers:
+            return None
+        if start_method(self.multiprocessing_context) != "fork":
+            return None
+        # In flight (prefetch_factor each), being built, and held by the trainer.
+        return BatchBuffers(self.num_workers, per_worker=(self.prefetch_factor or 2) + 2)
 
     def _order_settings(self) -> dict[str, Any]:
         """Everything besides the snapshot that decides which batch comes when."""

@@ -42,13 +42,19 @@ def check_worker_threads(threads: int | None, context: Any) -> int:
         return 1
     if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
         raise InvalidArgumentError(f"worker_threads must be a positive int, got {threads!r}")
-    method = context if isinstance(context, str) or context is None else context.get_start_method()
-    if threads > 1 and (method or multiprocessing.get_start_method()) == "fork":
+    if threads > 1 and start_method(context) == "fork":
         raise InvalidArgumentError(
             f"worker_threads={threads} needs multiprocessing_context='spawn' or 'forkserver': "
             "forked workers hang when they start OpenMP threads"
         )
     return threads
+
+
+def start_method(context: Any) -> str:
+    """How a DataLoader with ``multiprocessing_context=context`` starts its workers."""
+    if context is None:
+        return multiprocessing.get_start_method()
+    return context if isinstance(context, str) else str(context.get_start_method())
 
 
 def init_worker(threads: int, worker_id: int) -> None:

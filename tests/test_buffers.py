@@ -1,0 +1,82 @@
+"""Workers reuse the shared memory of batches the trainer has dropped, never one it holds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+import mmstore
+from mmstore import _buffers
+
+from .test_loader import write_steps
+
+# Large enough that a batch's pixel_values take a buffer (at least _buffers.MIN_BYTES).
+PROCESSOR = Qwen2VLImageProcessor(max_pixels=1024 * 28 * 28)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    store = mmstore.Store.open(tmp_path_factory.mktemp("buffers") / "s", create=True)
+    write_steps(store, mmstore.adapter_for(PROCESSOR), steps=3, groups=4, group_size=4)
+    return store
+
+
+@pytest.fixture(scope="module")
+def expected(stored):
+    """Every batch's pixels built in this process (no workers, no buffers)."""
+    loader = mmstore.RolloutLoader(_dataset(stored), batch_size=4)
+    return [batch["pixel_values"].clone() for batch in loader]
+
+
+def _dataset(store):
+    return mmstore.RolloutDataset(store, PROCESSOR, seed=1, node_cache_bytes=0, cache_bytes=0)
+
+
+def _shm_file(tensor: torch.Tensor) -> int:
+    fd, _ = tensor.untyped_storage()._share_fd_cpu_()
+    return os.fstat(fd).st_ino
+
+
+def test_batches_are_large_enough_to_use_buffers(expected):
+    assert len(expected) == 12
+    assert all(p.numel() * p.element_size() >= _buffers.MIN_BYTES for p in expected)
+
+
+def test_batches_the_trainer_keeps_are_never_overwritten(stored, expected):
+    kept = list(mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2))
+    assert _buffers.KEY not in kept[0]
+    for got, want in zip(kept, expected, strict=True):
+        assert torch.equal(got["pixel_values"], want)
+    assert len({_shm_file(b["pixel_values"]) for b in kept}) == len(kept)
+
+
+def test_dropped_batches_lend_their_memory_to_later_ones(stored, expected):
+    files = []
+    loader = mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2)
+    for i, batch in enumerate(loader):
+        assert torch.equal(batch["pixel_values"], expected[i])
+        files.append(_shm_file(batch["pixel_values"]))
+        del batch  # the trainer is done with it
+    # Each worker keeps at most prefetch_factor + 2 buffers: 12 batches share at most 8.
+    assert len(set(files)) <= 8 < len(files)
+
+
+def test_a_view_the_trainer_keeps_holds_its_buffer(stored, expected):
+    views = []
+    loader = mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2)
+    for batch in loader:
+        views.append(batch["pixel_values"][:3])  # a slice alone keeps the storage
+        del batch
+    for view, want in zip(views, expected, strict=True):
+        assert torch.equal(view, want[:3])
+
+
+def test_only_forked_workers_take_buffers(stored):
+    ds = _dataset(stored)
+    assert mmstore.RolloutLoader(ds, num_workers=2)._batch_buffers() is not None
+    assert mmstore.RolloutLoader(ds, num_workers=0)._batch_buffers() is None
+    spawned = mmstore.RolloutLoader(ds, num_workers=2, multiprocessing_context="spawn")
+    assert spawned._batch_buffers() is None
