@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from ._cache import ByteLRU
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
 DEFAULT_CACHE_BYTES = 256 * 2**20
+_MAX_SHARED = 1 << 16  # shared hashes remembered (32-character strings: a few MiB)
 
 
 @dataclass
@@ -103,6 +105,10 @@ class Materializer:
         self._node_key = (
             (str(dtype), processor_digest(adapter.image_processor)) if node_cache else ()
         )
+        # Hashes more than one row of a window shows (a GRPO group's image): the only ones
+        # worth publishing to the node cache, at about a tenth of processing them (writing
+        # fresh /dev/shm pages), which an image nobody else asks for would pay for nothing.
+        self._shared: set[str] = set()
 
     def samples(self, table: pa.Table) -> Iterator[Sample]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
@@ -113,6 +119,8 @@ class Materializer:
 
     def window(self, table: pa.Table) -> RowWindow:
         """The reader's checks over ``table``'s rows, for this loader's processor."""
+        if self.node_cache is not None:
+            self._note_shared(table)
         return RowWindow(
             table,
             family_checker(self.adapter),
@@ -120,6 +128,17 @@ class Materializer:
             max_len=self.max_len,
             image_token_ids=self.adapter.special_token_ids,
         )
+
+    def _note_shared(self, table: pa.Table) -> None:
+        if len(self._shared) > _MAX_SHARED:  # a bound: forget the oldest windows' hashes
+            self._shared.clear()
+        try:
+            hashes = pc.struct_field(pc.list_flatten(table.column("images")), "hash")
+            counts = pc.value_counts(hashes)
+        except (KeyError, pa.ArrowException):  # a malformed column: RowWindow names it
+            return
+        shared = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+        self._shared.update(h for h in shared.to_pylist() if isinstance(h, str))
 
     def sample(self, row: dict[str, Any]) -> Sample:
         """One row given as a dict of Python values (the same checks as :meth:`samples`)."""
@@ -170,7 +189,9 @@ class Materializer:
                 outputs = self._process(ref)
             else:
                 node_key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
-                outputs = self.node_cache.get_or_compute(node_key, lambda: self._process(ref))
+                outputs = self.node_cache.get_or_compute(
+                    node_key, lambda: self._process(ref), publish=ref.hash in self._shared
+                )
         except MediaNotFoundError as exc:
             if self.missing == "error":
                 raise with_context(exc, **where) from None

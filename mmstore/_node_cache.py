@@ -77,14 +77,25 @@ class NodeCache:
         return xxhash.xxh3_128_hexdigest("\0".join(parts).encode())
 
     def get_or_compute(
-        self, key: str, compute: Callable[[], Mapping[str, torch.Tensor]]
+        self,
+        key: str,
+        compute: Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        publish: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """The entry at ``key``; on a miss ``compute()`` runs once on this node and publishes."""
+        """The entry at ``key``; on a miss ``compute()`` runs once on this node and publishes.
+
+        ``publish=False`` (an image nobody else is expected to ask for): a published entry
+        is still used, but a miss is computed here, without the lock, and not published.
+        """
         path = os.path.join(self.directory, key)
         found = self._read(path)
         if found is not None:
             self.hits += 1
             return found
+        if not publish:
+            self.misses += 1
+            return dict(compute())
         with FileLock(path + ".lock"):
             found = self._read(path)  # computed by whoever held the lock before us
             if found is not None:

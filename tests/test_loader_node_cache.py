@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
+from mmstore._node_cache import NodeCache, processor_digest
 from mmstore._worker import init_worker
 from tests.store_workers import SMALL_MAX_PIXELS, image_bytes, make_row, small_adapter
 
@@ -43,6 +44,31 @@ def batches(store, directory, *, rank=0, world_size=1, workers=0, node_cache_byt
         node_cache_bytes=node_cache_bytes,
     )
     return list(mmstore.RolloutLoader(ds, batch_size=2, num_workers=workers))
+
+
+def test_only_images_several_rows_show_are_published(tmp_path):
+    # One image shared by four rows, four images shown once: publishing those would cost a
+    # write of their pixels to /dev/shm that nobody reads back.
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = small_adapter()
+    shared = store.put_media(image_bytes(1))
+    with store.writer(run_id="r", step=0, adapter=adapter, row_group_size=8) as w:
+        for i in range(4):
+            w.write(make_row(adapter, [shared], f"shared-{i}", group_id="g"))
+            w.write(make_row(adapter, [store.put_media(image_bytes(10 + i))], f"own-{i}"))
+    directory = tmp_path / "node"
+    got = batches(store, directory)
+    assert [e.name for e in directory.iterdir()] == [
+        NodeCache(str(directory), 1).key(shared.hash, adapter.fingerprint, *key_parts())
+    ]
+    assert sum(b["node_cache_misses"] for b in got) == 5  # each image processed once
+    plain = batches(store, tmp_path / "off", node_cache_bytes=0)
+    for a, b in zip(plain, got, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def key_parts():
+    return (str(torch.bfloat16), processor_digest(processor()))
 
 
 def test_pixels_from_the_node_cache_equal_the_processors(grpo_store, tmp_path):
