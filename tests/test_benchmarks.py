@@ -21,3 +21,17 @@ def test_suite_smoke(tmp_path):
     for name in ("loader", "disk", "resume", "scan"):
         for label, value in run.headline(name, results[name]):
             assert label in table and value > 0
+
+
+def test_speed_benchmark_smoke():
+    from benchmarks import bench_speed
+
+    result = bench_speed.run(scale=0.05, reps=1)
+    assert result["direction"] == "every ratio: higher = mmstore better"
+    for key in ("torchvision_over_limit", "torchvision_over_tensor_limit", "torchvision_over_pil"):
+        assert result["distinct"][key] > 0
+    grpo = result["grpo8"]
+    # Each distinct image processed once on the node, however samples fell on workers/ranks.
+    assert [c["misses"] for c in grpo["node_cache_per_rep"]] == [grpo["distinct_images"]]
+    assert result["write"]["plain_fsync_over_mmstore"] > 0
+    assert "GRPO-8" in bench_speed.table(result)
