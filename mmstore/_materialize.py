@@ -26,7 +26,6 @@ from ._media import decode_rgb, decode_rgb_tensor
 from ._models import ImageRef
 from ._node_cache import NodeCache, processor_digest
 from ._rowcheck import CheckedRow, RowWindow, family_checker
-from ._schema import ROLLOUT_SCHEMA
 
 if TYPE_CHECKING:
     from ._families import Family
@@ -139,11 +138,6 @@ class Materializer:
             return
         shared = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
         self._shared.update(h for h in shared.to_pylist() if isinstance(h, str))
-
-    def sample(self, row: dict[str, Any]) -> Sample:
-        """One row given as a dict of Python values (the same checks as :meth:`samples`)."""
-        table = pa.Table.from_pylist([row], schema=ROLLOUT_SCHEMA.remove_metadata())
-        return next(self.samples(table))
 
     def checked_sample(self, row: CheckedRow) -> Sample:
         """A row that passed the reader's checks -> tensors, images materialized."""
