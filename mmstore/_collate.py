@@ -11,7 +11,6 @@ from torch.utils.data import get_worker_info
 
 from . import _buffers
 from ._materialize import Sample, cast_floats
-from ._worker import prefault
 
 if TYPE_CHECKING:
     from ._families import Family
@@ -103,7 +102,6 @@ def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if out is None:
             storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors))
             out = first.new(storage).resize_(shape)
-            prefault(out)
     return torch.cat(list(tensors), out=out)
 
 

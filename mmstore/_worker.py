@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import mmap
 import multiprocessing
 from typing import Any
 
@@ -27,7 +26,6 @@ from ._exceptions import InvalidArgumentError
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 1 << 30  # the largest block glibc still takes from its heap
-_MADV_POPULATE_WRITE = 23  # madvise(2), Linux 5.14+: fault a range in, in one call
 _TRIM_THRESHOLD = 2**31 - 1  # the most mallopt takes (an int): in effect, never trim
 
 
@@ -73,21 +71,6 @@ def keep_freed_memory() -> bool:
     return bool(
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
     )
-
-
-def prefault(tensor: torch.Tensor) -> None:
-    """Fault ``tensor``'s fresh memory in with one call instead of a trap per page.
-
-    For the shared memory a batch leaves its worker in, which no allocator can reuse (the
-    trainer owns it once sent): about a fifth cheaper than faulting it in while copying.
-    A no-op where the kernel or C library lacks it.
-    """
-    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
-    if madvise is None or tensor.numel() == 0:
-        return
-    start = tensor.data_ptr() & ~(mmap.PAGESIZE - 1)  # madvise takes page-aligned ranges
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 @functools.cache
