@@ -236,11 +236,15 @@ class Family(ABC):
         out = self.run_processor(images)
         return {key: np.asarray(out[key]) for key in self.image_inputs}
 
-    def run_processor(self, images: Sequence[Any]) -> Mapping[str, Any]:
-        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors)."""
+    def run_processor(self, images: Sequence[Any], **overrides: Any) -> Mapping[str, Any]:
+        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors).
+
+        ``overrides`` replace call arguments of :meth:`processor_kwargs` (the device stage
+        passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
+        """
         if self.image_processor is None:
             raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
-        kwargs = self.processor_kwargs()
+        kwargs = {**self.processor_kwargs(), **overrides}
         if images and all(type(im).__module__.startswith("torch") for im in images):
             # Our tensors are channels first; transformers would guess, and a 3- or
             # 4-pixel-wide image looks like channels last to it.
