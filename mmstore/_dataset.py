@@ -489,12 +489,14 @@ class RolloutLoader:
 
     def build_batch(self, epoch: int, index: int) -> dict[str, Any]:
         """Batch ``index`` of ``epoch`` on this rank, built in this process: what a worker
-        builds (for executors other than DataLoader workers, e.g. Ray actors); with
-        ``preprocess_device``, also what the main process does (the processor on the device)."""
-        return self._finish(next(iter(self._stream(epoch, index, index + 1))))
+        builds (for executors other than DataLoader workers, e.g. Ray actors). With
+        ``preprocess_device`` its images are decoded, not processed: pass it through
+        :meth:`finish_batch` where the batch is consumed."""
+        return next(iter(self._stream(epoch, index, index + 1)))
 
-    def _finish(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A worker's batch as the loader yields it (the device stage, if any)."""
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A worker's batch as this loader yields it: with ``preprocess_device``, its images
+        processed and collated on the device (in this process); otherwise as it is."""
         return batch if self._device_stage is None else self._device_stage(batch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -511,7 +513,7 @@ class RolloutLoader:
             worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for built in loader:
-            batch = self._finish(built)
+            batch = self.finish_batch(built)
             if batch["images_missing"]:
                 warnings.warn(
                     f"{batch['images_missing']} sample(s) had missing media, replaced by "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import warnings
 
 import pytest
@@ -252,3 +253,14 @@ def test_on_a_gpu_the_image_tensors_live_there_and_a_model_takes_them(stored, pr
                 continue
             hidden = model.model(**_to(batch, names, "cuda")).last_hidden_state
             assert torch.isfinite(hidden.float()).all()
+
+
+def test_batches_built_elsewhere_are_finished_where_consumed(stored, processor):
+    """Ray actors build batches (``build_batch``: decoded images, pickled); the consumer's
+    ``finish_batch`` runs the device stage: the loader's own batches."""
+    expected = batches(stored, processor, device="cpu", packed=True)
+    ds = mmstore.RolloutDataset(stored, processor, seed=5, node_cache_bytes=0)
+    loader = mmstore.RolloutLoader(ds, batch_size=4, max_tokens=700, preprocess_device="cpu")
+    built = [pickle.loads(pickle.dumps(loader.build_batch(0, i))) for i in range(len(loader))]
+    assert any(PENDING_KEY in b for b in built)
+    assert_same_batches(expected, [loader.finish_batch(b) for b in built])
