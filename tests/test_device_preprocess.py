@@ -189,19 +189,38 @@ def test_cuda_without_cuda_is_refused_naming_the_device(stored, processor):
         mmstore.RolloutLoader(ds, preprocess_device="cuda:0")
 
 
-def test_a_second_family_glm4v(tmp_path):
+def _glm4v(store):
     from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
 
     from tests.test_family_glm4v import SMALL, SMALL_SIZE, _image, _processor, _write
 
     processor = _processor(Glm4vImageProcessor(size=SMALL_SIZE), SMALL)
-    store = mmstore.Store.open(tmp_path / "s", create=True)
     rows = [
         ("two", [_image(300, 200), _image(57, 91, seed=1)]),
         ("one", [_image(640, 480, seed=2)]),
         ("text", []),
     ]
     _write(store, mmstore.adapter_for(processor), processor, rows)
+    return processor
+
+
+def _kimi_k25(store):
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+
+    from tests.test_family_kimi_k25 import SMALL, _fill, _processor
+
+    image_processor = Kimi_K25ImageProcessor(
+        max_patches=64, size={"max_height": 16, "max_width": 16}
+    )
+    processor = _processor(image_processor, SMALL)
+    _fill(store, mmstore.adapter_for(processor), processor)
+    return processor
+
+
+@pytest.mark.parametrize("fill", [_glm4v, _kimi_k25], ids=["glm4v", "kimi-k25"])
+def test_other_families(tmp_path, fill):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    processor = fill(store)
     out = {}
     for device in (None, "cpu"):
         ds = mmstore.RolloutDataset(store, processor, shuffle=False, node_cache_bytes=0)
