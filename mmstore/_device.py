@@ -95,9 +95,8 @@ class DeferredMaterializer(Materializer):
         try:
             data = self.media.read_media(ref.uri, ref.hash)
             pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
-            # Layout math for the decoded size; the placeholder's float zeros are calloc'd
-            # pages never touched, so only its integer tensors cost anything.
-            layout = self.adapter.placeholder(int(pixels.shape[2]), int(pixels.shape[1]))
+            # Layout math for the decoded size: what the processor's output will hold.
+            layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
         except MediaNotFoundError as exc:
             if self.missing == "error":
                 raise with_context(exc, **where) from None
@@ -105,9 +104,7 @@ class DeferredMaterializer(Materializer):
             return self._placeholder(ref)
         except MmstoreError as exc:
             raise with_context(exc, **where) from None
-        integers = {
-            key: torch.from_numpy(value) for key, value in layout.items() if value.dtype.kind != "f"
-        }
+        integers = {key: torch.from_numpy(value) for key, value in layout.items()}
         return PendingImage(pixels, integers, ref, where)
 
 

@@ -229,6 +229,38 @@ def test_other_families(tmp_path, fill):
     assert out["cpu"][0]["image_grid_thw"].shape == (3, 3)
 
 
+def _layout_adapters():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from tests import test_family_gemma3, test_family_pixtral
+
+    pixtral = PixtralImageProcessorPil(patch_size=14, size={"longest_edge": 1540})
+    return [
+        Qwen2VLImageProcessor(),
+        Glm4vImageProcessorPil(),
+        Kimi_K25ImageProcessor(),
+        test_family_pixtral._processor(pixtral, patch_size=14, merge=2),
+        test_family_gemma3._full(Gemma3ImageProcessorPil(size={"height": 896, "width": 896})),
+    ]
+
+
+def test_integer_tensors_are_the_placeholders_without_pixels():
+    """What a worker lays out for the device stage (position ids read it) is exactly the
+    placeholder's integer part, for every family."""
+    for processor in _layout_adapters():
+        adapter = mmstore.adapter_for(processor)
+        for width, height in [(1, 1), (57, 91), (320, 200), (1920, 1080), (1080, 2400)]:
+            got = adapter.integer_tensors(width, height)
+            zeros = adapter.placeholder(width, height)
+            expected = {k: v for k, v in zeros.items() if v.dtype.kind != "f"}
+            assert got.keys() == expected.keys(), adapter
+            for key, value in expected.items():
+                assert got[key].dtype == value.dtype and (got[key] == value).all(), adapter
+
+
 # -- on a GPU ---------------------------------------------------------------------------
 
 

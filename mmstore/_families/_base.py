@@ -214,6 +214,12 @@ class Family(ABC):
     def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
         """Zero tensors of exactly the shapes the processor gives one image of this size."""
 
+    def integer_tensors(self, width: int, height: int) -> dict[str, np.ndarray]:
+        """The integer tensors of :meth:`placeholder` (grids, sizes), without its pixels:
+        what position ids read before the pixels exist (preprocessing on a device)."""
+        zeros = self.placeholder(width, height)
+        return {key: value for key, value in zeros.items() if value.dtype.kind != "f"}
+
     def pixel_shape(self, width: int, height: int) -> tuple[int, ...]:
         """Shape of one image's float ``pixel_values`` (for dense-size estimates)."""
         return tuple(self.placeholder(width, height)["pixel_values"].shape)
