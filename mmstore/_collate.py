@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 
 from . import _buffers
+from ._device import collate_images
 from ._materialize import Sample, cast_floats
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def collate(
         # No images: None, every model's own "no images" (their vision towers cannot run
         # on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an empty list, SigLIP and
         # MoonViT reshape an empty batch).
-        **(family.collate_images(images) if images else dict.fromkeys(family.image_inputs)),
+        **(collate_images(family, images) if images else dict.fromkeys(family.image_inputs)),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),

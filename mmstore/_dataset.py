@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._buffers import BatchBuffers, Labelled
 from ._collate import collate
+from ._device import DeferredMaterializer, DevicePreprocessor, check_device
 from ._exceptions import InvalidArgumentError, LayoutMismatchError
 from ._families import adapter_for
 from ._materialize import (
@@ -98,6 +99,7 @@ class RolloutDataset(IterableDataset[Sample]):
         self.snapshot = take_snapshot(store, runs, steps)
         self._check_layouts(self.snapshot)
         self._materializer: Materializer | None = None
+        self._deferred: Materializer | None = None
         self._prefetcher: Prefetcher | None = None
 
     def _check_layouts(self, snapshot: Snapshot) -> None:
@@ -146,10 +148,13 @@ class RolloutDataset(IterableDataset[Sample]):
         # Workers build their own materializer and cache; never ship the parent's to them.
         state = self.__dict__.copy()
         state["_materializer"] = None
+        state["_deferred"] = None
         state["_prefetcher"] = None  # a thread pool: each worker builds its own
         return state
 
-    def materializer(self) -> Materializer:
+    def materializer(self, deferred: bool = False) -> Materializer:
+        """This process's materializer; ``deferred``: the one that stops before the image
+        processor (preprocessing on a device, see :mod:`._device`)."""
         # Built lazily, once per worker process: the cache lives as long as the worker.
         if self._materializer is None:
             self._materializer = Materializer(
@@ -166,6 +171,10 @@ class RolloutDataset(IterableDataset[Sample]):
             )
             if self._prefetcher is not None:
                 self._materializer.media = self._prefetcher
+        if deferred:
+            if self._deferred is None:
+                self._deferred = DeferredMaterializer.beside(self._materializer)
+            return self._deferred
         return self._materializer
 
     def _node_cache(self) -> NodeCache | None:
@@ -173,12 +182,15 @@ class RolloutDataset(IterableDataset[Sample]):
             return None
         return NodeCache(self.node_cache_dir, self.node_cache_bytes)
 
-    def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
-        """Materialize the samples at increasing ``positions`` of this rank's epoch."""
+    def samples(
+        self, epoch: int, positions: Iterable[int], *, deferred: bool = False
+    ) -> Iterator[tuple[int, Sample]]:
+        """Materialize the samples at increasing ``positions`` of this rank's epoch
+        (``deferred``: images decoded only, for the device stage)."""
         plan = self.plan(epoch)
         wanted = list(positions)
         i = 0
-        materializer = self.materializer()
+        materializer = self.materializer(deferred)
         while i < len(wanted):
             window = plan.window_of(wanted[i])
             lo, hi = plan.window_range(window)
@@ -254,9 +266,11 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         dummy_image: bool,
         pad_token_id: int | None,
         total: int | None = None,
+        deferred: bool = False,
     ) -> None:
         self.dataset = dataset
         self.total = total
+        self.deferred = deferred
         self.epoch = epoch
         self.start = start
         self.batch_size = batch_size
@@ -274,12 +288,12 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
-        materializer = self.dataset.materializer()
+        materializer = self.dataset.materializer(self.deferred)
         cache, node = materializer.cache, materializer.node_cache
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
         node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
-        for position, sample in self.dataset.samples(self.epoch, positions):
+        for position, sample in self.dataset.samples(self.epoch, positions, deferred=self.deferred):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
                 batch = collate(
@@ -350,6 +364,20 @@ class RolloutLoader:
     counts micro-batches, so a resume is exact at any micro-batch, any ``num_workers``.
     A sample longer than the budget is refused when the epoch is planned
     (:class:`SampleTooLongError`); ``max_len`` truncates first (whole images kept).
+
+    **Preprocessing on a device** (``preprocess_device="cuda"``, a torchvision image
+    processor only): workers verify, read and decode each image and send it as uint8 (half
+    the bytes of bf16 pixels); the main process runs the real processor on that device
+    (resize, rescale, normalize), casts to the train dtype, checks every image against its
+    span, and collates the family's image tensors there. Batches (plain or packed) then
+    hold their image tensors on the device, floats in the train dtype, integers in their
+    usual dtype; every other tensor stays on the CPU as usual. Order, ``state_dict`` and
+    resume are unchanged. The worker and node pixel caches do not apply (nothing is
+    processed in workers; ``cache_misses`` counts the images the main process processed).
+    A processor that is not a torchvision backend, a device torch does not know, or CUDA
+    where none is available raises :class:`InvalidArgumentError`. ``"cpu"`` is valid too
+    (the processor in the main process). With ``pin_memory=True`` the uint8 images arrive
+    pinned and copy to the GPU asynchronously.
     """
 
     def __init__(
@@ -368,6 +396,7 @@ class RolloutLoader:
         timeout: float = 0,
         worker_threads: int | None = None,
         max_tokens: int | None = None,
+        preprocess_device: str | torch.device | None = None,
     ) -> None:
         if batch_size <= 0:
             raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
@@ -393,6 +422,14 @@ class RolloutLoader:
         self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
+        self.preprocess_device = (
+            None if preprocess_device is None else check_device(preprocess_device, dataset.adapter)
+        )
+        self._device_stage = (
+            None
+            if self.preprocess_device is None
+            else DevicePreprocessor(dataset.adapter, self.preprocess_device, dataset.dtype)
+        )
 
     @property
     def model_input_names(self) -> tuple[str, ...]:
@@ -429,9 +466,15 @@ class RolloutLoader:
 
     def _stream(self, epoch: int, start: int, total: int) -> IterableDataset[dict[str, Any]]:
         """Batches (or packed micro-batches) ``start..total-1`` of ``epoch`` on this rank."""
+        deferred = self._device_stage is not None
         if self._planner is not None:
             return PackedStream(
-                self._planner, epoch=epoch, start=start, stop=total, pad_token_id=self.pad_token_id
+                self._planner,
+                epoch=epoch,
+                start=start,
+                stop=total,
+                pad_token_id=self.pad_token_id,
+                deferred=deferred,
             )
         return _BatchStream(
             self.dataset,
@@ -442,12 +485,20 @@ class RolloutLoader:
             dummy_image=self.dummy_image,
             pad_token_id=self.pad_token_id,
             total=total,
+            deferred=deferred,
         )
 
     def build_batch(self, epoch: int, index: int) -> dict[str, Any]:
         """Batch ``index`` of ``epoch`` on this rank, built in this process: what a worker
-        builds (for executors other than DataLoader workers, e.g. Ray actors)."""
+        builds (for executors other than DataLoader workers, e.g. Ray actors). With
+        ``preprocess_device`` its images are decoded, not processed: pass it through
+        :meth:`finish_batch` where the batch is consumed."""
         return next(iter(self._stream(epoch, index, index + 1)))
+
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A worker's batch as this loader yields it: with ``preprocess_device``, its images
+        processed and collated on the device (in this process); otherwise as it is."""
+        return batch if self._device_stage is None else self._device_stage(batch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
@@ -463,9 +514,10 @@ class RolloutLoader:
             timeout=self.timeout,
             worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
-        for batch in loader:
+        for built in loader:
             if buffers is not None:
-                buffers.track(batch)
+                buffers.track(built)
+            batch = self.finish_batch(built)
             if batch["images_missing"]:
                 warnings.warn(
                     f"{batch['images_missing']} sample(s) had missing media, replaced by "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._collate import dummy
+from ._device import collate_images
 from ._materialize import Sample
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def pack(
         "max_seqlen": max(lengths),
         "loss_mask": torch.cat([seg[1] for seg in segments])[None],
         **family.token_types(input_ids),
-        **family.collate_images([image for seg in segments for image in seg[3]]),
+        **collate_images(family, [image for seg in segments for image in seg[3]]),
         "sample_ids": [s.sample_id for s in samples] + fill,
         "group_ids": [s.group_id for s in samples] + [None] * len(fill),
         "is_filler": torch.tensor([False] * len(samples) + [True] * len(fill)),

@@ -129,8 +129,10 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         start: int,
         stop: int | None = None,
         pad_token_id: int | None = None,
+        deferred: bool = False,
     ) -> None:
         self.planner = planner
+        self.deferred = deferred  # images decoded only, for the device stage (._device)
         self.stop = stop
         self.pad_token_id = pad_token_id
         self.epoch = epoch
@@ -141,7 +143,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan, order = self.planner.plan(self.epoch)
         ds = self.planner.dataset
-        cache = ds.materializer().cache
+        cache = ds.materializer(self.deferred).cache
         units: OrderedDict[WorkUnit, RowWindow] = OrderedDict()
         stop = len(plan) if self.stop is None else min(self.stop, len(plan))
         for index in range(self.start + worker, stop, workers):
@@ -170,10 +172,12 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         dataset = self.planner.dataset
         window = units.get(unit)
         if window is None:  # read, conformed and checked as the padded loader reads
-            window = units[unit] = dataset.materializer().window(read_units(dataset.store, [unit]))
+            window = units[unit] = dataset.materializer(self.deferred).window(
+                read_units(dataset.store, [unit])
+            )
             while len(units) > UNIT_CACHE:
                 units.popitem(last=False)
-        sample = dataset.materializer().checked_sample(window.row(index))
+        sample = dataset.materializer(self.deferred).checked_sample(window.row(index))
         expected = int(self.planner.meta().lengths[row])
         if len(sample.input_ids) != expected:  # the footer's count is checked, never trusted
             raise CorruptFileError(

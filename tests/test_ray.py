@@ -154,3 +154,22 @@ def test_read_rollouts_refuses_a_forged_row_naming_its_file(cluster, tmp_path, s
     assert "InvalidRolloutError" in message
     assert f"file={path!r}" in message and "run_id='forged'" in message
     assert "step=0" in message and "sample_id='bad'" in message
+
+
+def test_device_preprocessing_runs_where_the_batches_are_consumed(cluster, filled):
+    """preprocess_device: actors decode (build_batch), the driver runs the processor."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    from tests.conftest import SMALL_MAX_PIXELS
+
+    processor = Qwen2VLImageProcessor(max_pixels=SMALL_MAX_PIXELS)
+
+    def loader(device):
+        ds = mmstore.RolloutDataset(filled, processor, dtype=torch.float32, seed=5)
+        return mmstore.RolloutLoader(ds, batch_size=3, preprocess_device=device)
+
+    local = list(loader(None))
+    remote = list(mmray.iter_batches(loader("cpu"), concurrency=1, resources=ON_WORKER_NODE))
+    assert len(remote) == len(local)
+    for a, b in zip(remote, local, strict=True):
+        _same(a, b)

@@ -214,6 +214,12 @@ class Family(ABC):
     def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
         """Zero tensors of exactly the shapes the processor gives one image of this size."""
 
+    def integer_tensors(self, width: int, height: int) -> dict[str, np.ndarray]:
+        """The integer tensors of :meth:`placeholder` (grids, sizes), without its pixels:
+        what position ids read before the pixels exist (preprocessing on a device)."""
+        zeros = self.placeholder(width, height)
+        return {key: value for key, value in zeros.items() if value.dtype.kind != "f"}
+
     def pixel_shape(self, width: int, height: int) -> tuple[int, ...]:
         """Shape of one image's float ``pixel_values`` (for dense-size estimates)."""
         return tuple(self.placeholder(width, height)["pixel_values"].shape)
@@ -236,11 +242,15 @@ class Family(ABC):
         out = self.run_processor(images)
         return {key: np.asarray(out[key]) for key in self.image_inputs}
 
-    def run_processor(self, images: Sequence[Any]) -> Mapping[str, Any]:
-        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors)."""
+    def run_processor(self, images: Sequence[Any], **overrides: Any) -> Mapping[str, Any]:
+        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors).
+
+        ``overrides`` replace call arguments of :meth:`processor_kwargs` (the device stage
+        passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
+        """
         if self.image_processor is None:
             raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
-        kwargs = self.processor_kwargs()
+        kwargs = {**self.processor_kwargs(), **overrides}
         if images and all(type(im).__module__.startswith("torch") for im in images):
             # Our tensors are channels first; transformers would guess, and a 3- or
             # 4-pixel-wide image looks like channels last to it.

@@ -165,6 +165,10 @@ class Gemma3(Family):
         shape = (1, 3, self.layout.param("resized_height"), self.layout.param("resized_width"))
         return {"pixel_values": np.zeros(shape, dtype=np.float32)}
 
+    def integer_tensors(self, width: int, height: int) -> dict[str, np.ndarray]:
+        _check_size(width, height)
+        return {}  # pixel_values only
+
     @property
     def dummy_size(self) -> tuple[int, int]:
         return 1, 1  # every size lays out alike

@@ -173,8 +173,11 @@ class Pixtral(Family):
     def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
         return {
             "pixel_values": np.zeros(self.pixel_shape(width, height), dtype=np.float32),
-            "image_sizes": np.array([self.resized(width, height)], dtype=np.int64),
+            **self.integer_tensors(width, height),
         }
+
+    def integer_tensors(self, width: int, height: int) -> dict[str, np.ndarray]:
+        return {"image_sizes": np.array([self.resized(width, height)], dtype=np.int64)}
 
     @property
     def dummy_size(self) -> tuple[int, int]:

@@ -243,7 +243,8 @@ def iter_batches(
         index = int(row["index"][0])
         if index != expected:
             raise MmstoreError(f"Ray delivered batch {index} where batch {expected} was due")
-        batch = pickle.loads(row["payload"][0])
+        # Built on an actor; with preprocess_device, processed on the device here.
+        batch = loader.finish_batch(pickle.loads(row["payload"][0]))
         loader.batches_yielded = expected = expected + 1
         yield batch
     if loader.batches_yielded >= total:

@@ -1,0 +1,208 @@
+"""Preprocessing on a device: workers decode, the main process runs the processor there.
+
+With ``RolloutLoader(preprocess_device=...)`` (a torchvision image processor) a DataLoader
+worker does everything but the processor: trust check, verified read, decode to a uint8
+``(3, H, W)`` tensor, token tensors and masks. Each image travels to the main process as a
+:class:`PendingImage` (uint8 through shared memory: half the bytes of bf16 pixels), and
+:class:`DevicePreprocessor` runs the real processor on the device there (resize, rescale,
+normalize), casts floats to the train dtype, checks each output against its ref's span, and
+collates the family's image tensors on the device.
+
+A pending image carries the integer tensors its processed form will have (the grid, from
+the family's layout math for the decoded size): packed micro-batches compute position ids
+from them in the worker, and the device stage refuses processor output that disagrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._exceptions import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    MediaNotFoundError,
+    MmstoreError,
+)
+from ._materialize import Materializer, Sample, with_context
+from ._media import decode_rgb_tensor
+
+if TYPE_CHECKING:
+    from ._families import Family
+    from ._models import ImageRef
+
+#: the batch key under which a worker's batch carries its images to the device stage
+PENDING_KEY = "_pending_images"
+
+
+@dataclass(eq=False)
+class PendingImage:
+    """One decoded image on its way to the device stage.
+
+    Reads like the processed image's integer tensors (``image["image_grid_thw"]``), which is
+    all position ids need. Deliberately not a ``Mapping``: DataLoader's ``default_convert``
+    rebuilds mappings and would drop the pixels.
+    """
+
+    pixels: torch.Tensor  # uint8 (3, H, W), exactly the decoder's pixels
+    layout: dict[str, torch.Tensor]  # integer tensors the processor gives this size
+    ref: ImageRef
+    where: dict[str, Any]  # file, run, step, sample_id, image_index: for errors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.layout[key]
+
+    def pin_memory(self) -> PendingImage:
+        # DataLoader(pin_memory=True) calls this: pinned pixels copy to the GPU asynchronously.
+        return replace(self, pixels=self.pixels.pin_memory())
+
+
+class DeferredMaterializer(Materializer):
+    """A :class:`Materializer` whose images stop before the processor (worker side).
+
+    No pixel cache applies: processing happens in the main process, one image at a time.
+    Every image counts as a cache miss (the batch's ``cache_misses``: images processed).
+    """
+
+    @classmethod
+    def beside(cls, materializer: Materializer) -> DeferredMaterializer:
+        """One with ``materializer``'s settings and media source (its read-ahead too)."""
+        deferred = cls(
+            materializer.store,
+            materializer.adapter,
+            dtype=materializer.dtype,
+            missing=materializer.missing,
+            max_len=materializer.max_len,
+            cache_bytes=0,
+        )
+        deferred.media = materializer.media
+        return deferred
+
+    def image(self, ref: ImageRef, where: dict[str, Any], sample: Sample) -> Any:
+        """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
+        if ref.layout_fingerprint != self.adapter.fingerprint:
+            raise LayoutMismatchError(
+                f"ref laid out by {ref.layout_fingerprint}, processor is "
+                f"{self.adapter.fingerprint}",
+                uri=ref.uri,
+                **where,
+            )
+        self.check_trust(ref, where)
+        self.cache.misses += 1
+        try:
+            data = self.media.read_media(ref.uri, ref.hash)
+            pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
+            # Layout math for the decoded size: what the processor's output will hold.
+            layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
+        except MediaNotFoundError as exc:
+            if self.missing == "error":
+                raise with_context(exc, **where) from None
+            sample.missing_uris.append(ref.uri)
+            return self._placeholder(ref)
+        except MmstoreError as exc:
+            raise with_context(exc, **where) from None
+        integers = {key: torch.from_numpy(value) for key, value in layout.items()}
+        return PendingImage(pixels, integers, ref, where)
+
+
+def collate_images(family: Family, images: Sequence[Any]) -> dict[str, Any]:
+    """``family.collate_images``, unless pending images are among them: then every image
+    travels as it is, in order, for the device stage to process and collate."""
+    if any(isinstance(image, PendingImage) for image in images):
+        return {PENDING_KEY: list(images)}
+    return family.collate_images(images)
+
+
+def check_device(device: str | torch.device, family: Family) -> torch.device:
+    """The device to preprocess on, refused early if torch or the processor cannot use it."""
+    if not family.takes_tensors:
+        raise InvalidArgumentError(
+            f"preprocess_device needs a torchvision image processor; "
+            f"{type(family.image_processor).__name__} is not one (build the family's "
+            "torchvision backend, e.g. Qwen2VLImageProcessor rather than "
+            "Qwen2VLImageProcessorPil)"
+        )
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"preprocess_device {device!r} is no torch device: {exc}"
+        ) from None
+    if found.type == "meta":
+        raise InvalidArgumentError("preprocess_device 'meta' holds no data to process")
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"preprocess_device {str(found)!r}: CUDA is not available here "
+            "(torch.cuda.is_available() is False)"
+        )
+    try:
+        torch.zeros(1, device=found)
+    except (RuntimeError, AssertionError) as exc:
+        raise InvalidArgumentError(
+            f"preprocess_device {str(found)!r} is not usable: {exc}"
+        ) from None
+    return found
+
+
+class DevicePreprocessor:
+    """The main-process stage: a worker's batch with pending images -> the finished batch."""
+
+    def __init__(self, family: Family, device: torch.device, dtype: torch.dtype) -> None:
+        self.family = family
+        self.device = device
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        pending = batch.pop(PENDING_KEY, None)
+        if pending is not None:
+            batch.update(self.family.collate_images([self.image(e) for e in pending]))
+        # Batches whose images were all placeholders (or a dummy) came collated: move them too.
+        for key in self.family.image_inputs:
+            if isinstance(batch.get(key), torch.Tensor):
+                batch[key] = batch[key].to(self.device)
+        return batch
+
+    def image(self, entry: PendingImage | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One image's tensors on the device (a placeholder or dummy: moved as it is)."""
+        if not isinstance(entry, PendingImage):
+            return {key: value.to(self.device) for key, value in entry.items()}
+        try:
+            outputs = self.process(entry)
+            # The span check on the CPU integers: families read them with numpy.
+            self.family.check_output(
+                outputs,
+                entry.ref,
+                sample_id=entry.where.get("sample_id"),
+                image_index=entry.where["image_index"],
+            )
+            self.check_layout(outputs, entry)
+        except MmstoreError as exc:
+            raise with_context(exc, **entry.where) from None
+        return {key: value.to(self.device) for key, value in outputs.items()}
+
+    def process(self, entry: PendingImage) -> dict[str, torch.Tensor]:
+        """The processor on the device: floats there in the train dtype, integers on the CPU."""
+        pixels = entry.pixels.to(self.device, non_blocking=entry.pixels.is_pinned())
+        out = self.family.run_processor([pixels], device=self.device, return_tensors="pt")
+        tensors: dict[str, torch.Tensor] = {}
+        for key in self.family.image_inputs:
+            value = torch.as_tensor(out[key])
+            if value.is_floating_point():
+                tensors[key] = value.to(self.device, self.dtype)
+            else:  # the dtype the worker path gives (the layout's): grids are int64
+                tensors[key] = value.cpu().to(entry.layout[key].dtype)
+        return tensors
+
+    def check_layout(self, outputs: Mapping[str, torch.Tensor], entry: PendingImage) -> None:
+        """Refuse integer outputs other than those the worker laid out (its position ids)."""
+        for key, expected in entry.layout.items():
+            if not torch.equal(outputs[key], expected):
+                height, width = entry.pixels.shape[1:]
+                raise LayoutMismatchError(
+                    f"processor output has {key} {outputs[key].tolist()}, the layout of a "
+                    f"{width}x{height} image says {expected.tolist()}",
+                    uri=entry.ref.uri,
+                )
