@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import mmap
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import get_worker_info
 
 # Smaller tensors (token ids, grids, masks) take fresh memory: cheap, and not worth a buffer.
 MIN_BYTES = 1 << 20
@@ -87,6 +87,16 @@ class BatchBuffers:
         }
         return batch
 
+    def labelled(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """``batches`` built with these buffers at hand, each labelled for :meth:`track`."""
+        global active
+        active = self
+        try:
+            for batch in batches:
+                yield self.label(batch)
+        finally:
+            active = None
+
     # -- in the main process -----------------------------------------------------------
 
     def track(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -108,24 +118,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-# The buffers of the batch stream running in this worker: set by Labelled below, read by
-# :func:`._collate.concat`, deep under each family's collate, which cannot pass them along.
+# The buffers of the batch stream running in this worker: set by BatchBuffers.labelled, read
+# by :func:`._collate.concat`, deep under each family's collate, which cannot pass them on.
 active: BatchBuffers | None = None
-
-
-class Labelled(IterableDataset[dict[str, Any]]):
-    """A batch stream whose large tensors are built in ``buffers`` and labelled for
-    :meth:`BatchBuffers.track`."""
-
-    def __init__(self, stream: IterableDataset[dict[str, Any]], buffers: BatchBuffers) -> None:
-        self.stream = stream
-        self.buffers = buffers
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        global active
-        active = self.buffers
-        try:
-            for batch in self.stream:
-                yield self.buffers.label(batch)
-        finally:
-            active = None

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ._buffers import BatchBuffers, Labelled
+from ._buffers import BatchBuffers
 from ._collate import collate
 from ._device import DeferredMaterializer, DevicePreprocessor, check_device
 from ._exceptions import InvalidArgumentError, LayoutMismatchError
@@ -39,7 +39,7 @@ from ._prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
 from ._refscan import partition_of
 from ._scan import Snapshot, fingerprints_by_file, read_units, recorded_layouts, take_snapshot
 from ._store import Store
-from ._worker import check_worker_threads, init_worker, start_method
+from ._worker import WorkerStream, check_worker_threads, init_worker, reraise, start_method
 
 STATE_VERSION = 1
 
@@ -505,7 +505,7 @@ class RolloutLoader:
         stream = self._stream(self.epoch, self.batches_yielded, total)
         buffers = self._batch_buffers()
         loader = DataLoader(
-            stream if buffers is None else Labelled(stream, buffers),
+            WorkerStream(stream, buffers) if self.num_workers else stream,
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers else None,
@@ -515,6 +515,7 @@ class RolloutLoader:
             worker_init_fn=functools.partial(init_worker, self.worker_threads),
         )
         for built in loader:
+            reraise(built)
             if buffers is not None:
                 buffers.track(built)
             batch = self.finish_batch(built)

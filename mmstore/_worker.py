@@ -1,4 +1,5 @@
-"""Setup of a DataLoader worker process: its torch threads and how it keeps memory.
+"""DataLoader worker processes: their setup (torch threads, how they keep memory) and the
+stream they run (batches in reusable shared buffers, typed errors carried whole).
 
 A worker's hot loop allocates and frees the same large buffers for every image: the decoded
 image, the processor's float temporaries (tens of MB for a 1080p screenshot), the cast
@@ -15,11 +16,18 @@ import ctypes
 import ctypes.util
 import functools
 import multiprocessing
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import IterableDataset
 
-from ._exceptions import InvalidArgumentError
+from ._exceptions import InvalidArgumentError, MmstoreError
+
+if TYPE_CHECKING:
+    from ._buffers import BatchBuffers
+
+RAISED = "_raised"  # a worker's batch stream ended in this error
 
 # glibc's mallopt parameters (malloc.h): blocks below the mmap threshold come from the heap,
 # and the heap's free top is returned to the system only beyond the trim threshold.
@@ -81,3 +89,35 @@ def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Any:
         return None
     function.argtypes = list(argtypes)
     return function
+
+
+class WorkerStream(IterableDataset[dict[str, Any]]):
+    """A batch stream as DataLoader workers run it: large tensors built in reusable shared
+    memory (``buffers``, :mod:`._buffers`), and an mmstore error sent to the main process
+    as itself, for :func:`reraise`.
+
+    DataLoader re-raises a worker's exception as ``type(exc)(traceback_text)``, which keeps
+    the type and the message but drops the context attributes (``err.sample_id``,
+    ``err.image_index``, ``err.file``) a trainer would act on.
+    """
+
+    def __init__(
+        self, stream: IterableDataset[dict[str, Any]], buffers: BatchBuffers | None
+    ) -> None:
+        self.stream = stream
+        self.buffers = buffers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        batches = iter(self.stream) if self.buffers is None else self.buffers.labelled(self.stream)
+        try:
+            yield from batches
+        except MmstoreError as exc:
+            yield {RAISED: exc}
+
+
+def reraise(batch: dict[str, Any]) -> None:
+    """Raise the error a worker's stream ended in (in the main process), context intact."""
+    if RAISED in batch:
+        exc = batch[RAISED]
+        exc.add_note("(raised in a DataLoader worker)")
+        raise exc

@@ -129,10 +129,11 @@ def test_bad_media_errors_name_the_sample_and_image(tmp_path, processor):
     with pytest.raises(mmstore.HashMismatchError) as err:
         list(loader)
     assert err.value.sample_id == "g0-00000-00" and err.value.image_index == 1
-    # raised in a worker, before the device stage: DataLoader re-raises it with its message
+    # raised in a worker, before the device stage: the same error, context attributes too
     loader = mmstore.RolloutLoader(ds, batch_size=1, num_workers=1, preprocess_device="cpu")
-    with pytest.raises(mmstore.HashMismatchError, match="sample_id='g0-00000-00', image_index=1"):
+    with pytest.raises(mmstore.HashMismatchError) as err:
         list(loader)
+    assert err.value.sample_id == "g0-00000-00" and err.value.image_index == 1
 
 
 def test_a_processor_drifting_from_the_spans_is_refused_on_the_device(tmp_path):

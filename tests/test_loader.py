@@ -209,8 +209,17 @@ def test_missing_media_error_policy(tmp_path, small_processor):
     with pytest.raises(mmstore.MediaNotFoundError) as err:
         list(mmstore.RolloutLoader(ds, batch_size=2))
     assert err.value.sample_id == "g0-00000-00" and err.value.image_index == 0
-    with pytest.raises(FileNotFoundError):  # through worker processes too
-        list(mmstore.RolloutLoader(ds, batch_size=1, num_workers=1))
+    # Through worker processes too: the same error, its context attributes intact (torch's
+    # DataLoader alone would re-raise type(err)(its traceback text), without them).
+    with pytest.raises(mmstore.MediaNotFoundError) as err:
+        list(mmstore.RolloutLoader(ds, batch_size=1, num_workers=2))
+    assert isinstance(err.value, FileNotFoundError)
+    assert err.value.sample_id == "g0-00000-00" and err.value.image_index == 0
+    assert err.value.context["uri"] == victim["uri"]
+    packed = mmstore.RolloutLoader(ds, batch_size=2, num_workers=1, max_tokens=4096)
+    with pytest.raises(mmstore.MediaNotFoundError) as err:
+        list(packed)
+    assert err.value.sample_id == "g0-00000-00"
 
 
 def test_missing_media_placeholder_policy(tmp_path, small_processor):
