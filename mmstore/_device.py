@@ -83,14 +83,7 @@ class DeferredMaterializer(Materializer):
 
     def image(self, ref: ImageRef, where: dict[str, Any], sample: Sample) -> Any:
         """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
-        if ref.layout_fingerprint != self.adapter.fingerprint:
-            raise LayoutMismatchError(
-                f"ref laid out by {ref.layout_fingerprint}, processor is "
-                f"{self.adapter.fingerprint}",
-                uri=ref.uri,
-                **where,
-            )
-        self.check_trust(ref, where)
+        self.check_ref(ref, where)
         self.cache.misses += 1
         try:
             data = self.media.read_media(ref.uri, ref.hash)

@@ -166,14 +166,7 @@ class Materializer:
         self, ref: ImageRef, where: dict[str, Any], sample: Sample
     ) -> dict[str, torch.Tensor]:
         """One image's tensors (floats in the train dtype), from cache or the processor."""
-        if ref.layout_fingerprint != self.adapter.fingerprint:
-            raise LayoutMismatchError(
-                f"ref laid out by {ref.layout_fingerprint}, processor is "
-                f"{self.adapter.fingerprint}",
-                uri=ref.uri,
-                **where,
-            )
-        self.check_trust(ref, where)
+        self.check_ref(ref, where)
         key = (ref.hash, self.adapter.fingerprint)
         cached = self.cache.get(key)
         if cached is not None:
@@ -212,6 +205,17 @@ class Materializer:
         decode = decode_rgb_tensor if self.adapter.takes_tensors else decode_rgb
         image = decode(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
         return cast_floats(self.adapter.process([image]), self.dtype)
+
+    def check_ref(self, ref: ImageRef, where: dict[str, Any]) -> None:
+        """Refuse a ref laid out for another processor, or at a URI nobody trusts."""
+        if ref.layout_fingerprint != self.adapter.fingerprint:
+            raise LayoutMismatchError(
+                f"ref laid out by {ref.layout_fingerprint}, processor is "
+                f"{self.adapter.fingerprint}",
+                uri=ref.uri,
+                **where,
+            )
+        self.check_trust(ref, where)
 
     def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
         """Refuse an untrusted URI, hit or miss: cached pixels must not serve a URI nobody
