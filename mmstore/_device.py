@@ -24,7 +24,6 @@ import torch
 from ._exceptions import (
     InvalidArgumentError,
     LayoutMismatchError,
-    MediaNotFoundError,
     MmstoreError,
 )
 from ._materialize import Materializer, Sample, with_context
@@ -85,18 +84,14 @@ class DeferredMaterializer(Materializer):
         """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
         self.check_ref(ref, where)
         self.cache.misses += 1
-        try:
-            data = self.media.read_media(ref.uri, ref.hash)
-            pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
-            # Layout math for the decoded size: what the processor's output will hold.
-            layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
-        except MediaNotFoundError as exc:
-            if self.missing == "error":
-                raise with_context(exc, **where) from None
-            sample.missing_uris.append(ref.uri)
-            return self._placeholder(ref)
-        except MmstoreError as exc:
-            raise with_context(exc, **where) from None
+        pending = self.guarded(ref, where, sample, lambda: self._decoded(ref, where))
+        return self._placeholder(ref) if pending is None else pending
+
+    def _decoded(self, ref: ImageRef, where: dict[str, Any]) -> PendingImage:
+        data = self.media.read_media(ref.uri, ref.hash)
+        pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
+        # Layout math for the decoded size: what the processor's output will hold.
+        layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
         integers = {key: torch.from_numpy(value) for key, value in layout.items()}
         return PendingImage(pixels, integers, ref, where)
 

@@ -11,9 +11,9 @@ by that hash, so no cache ever serves pixels of other bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ._store import Store
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
+T = TypeVar("T")
 DEFAULT_CACHE_BYTES = 256 * 2**20
 _MAX_SHARED = 1 << 16  # shared hashes remembered (32-character strings: a few MiB)
 
@@ -171,21 +172,9 @@ class Materializer:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        try:
-            if self.node_cache is None:
-                outputs = self._process(ref)
-            else:
-                node_key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
-                outputs = self.node_cache.get_or_compute(
-                    node_key, lambda: self._process(ref), publish=ref.hash in self._shared
-                )
-        except MediaNotFoundError as exc:
-            if self.missing == "error":
-                raise with_context(exc, **where) from None
-            sample.missing_uris.append(ref.uri)
+        outputs = self.guarded(ref, where, sample, lambda: self._processed(ref))
+        if outputs is None:
             return self._placeholder(ref)
-        except MmstoreError as exc:
-            raise with_context(exc, **where) from None
         try:
             # On a node-cache hit too: the pixels fit this hash, the check ties them to this
             # ref's size and span.
@@ -197,6 +186,29 @@ class Materializer:
         nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
         self.cache.put(key, outputs, nbytes)
         return outputs
+
+    def guarded(
+        self, ref: ImageRef, where: dict[str, Any], sample: Sample, read: Callable[[], T]
+    ) -> T | None:
+        """``read()``, ``where`` added to its errors; None for missing media under the
+        placeholder policy (the sample marked, its loss masked)."""
+        try:
+            return read()
+        except MediaNotFoundError as exc:
+            if self.missing == "error":
+                raise with_context(exc, **where) from None
+            sample.missing_uris.append(ref.uri)
+            return None
+        except MmstoreError as exc:
+            raise with_context(exc, **where) from None
+
+    def _processed(self, ref: ImageRef) -> dict[str, torch.Tensor]:
+        """The node cache's entry for ``ref`` (processed once per node), or processed here."""
+        if self.node_cache is None:
+            return self._process(ref)
+        key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
+        publish = ref.hash in self._shared
+        return self.node_cache.get_or_compute(key, lambda: self._process(ref), publish=publish)
 
     def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         """Verified read, decode, the processor, floats cast to the train dtype."""
