@@ -225,7 +225,7 @@ class Rollout(BaseModel):
                 wide, narrow = _float32_arrays(self.logprobs)
                 # Logprobs from a model are float32 already: then the validated list holds
                 # exactly the rounded values, and rebuilding it (tolist) would change nothing.
-                if not np.array_equal(wide, narrow, equal_nan=True):
+                if not (wide == narrow).all():  # (a nan takes the tolist path: also right)
                     self.logprobs = narrow.tolist()
                 self._arrays.keep(field, self.logprobs, narrow)
         except ValueError as exc:
