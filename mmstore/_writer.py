@@ -7,7 +7,9 @@ are encoded as they fill, so memory holds compressed bytes, not Python rows.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import uuid
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -116,6 +118,32 @@ def _list_array(values: list[np.ndarray | None], type: pa.DataType, dtype: Any) 
     return pa.ListArray.from_arrays(offsets, flat, type=type, mask=mask)
 
 
+class _Encoding(threading.Thread):
+    """One row group encoded (zstd, page checksums) beside the writer's thread.
+
+    pyarrow releases the GIL while it encodes, so the next rows are validated meanwhile
+    instead of waiting: encoding is about a quarter of a write's CPU time. The writer keeps
+    at most one in flight and waits for it before the next, before closing the file, and
+    on abort; a failure is kept and raised there.
+    """
+
+    def __init__(self, parquet: pq.ParquetWriter, table: pa.Table, row_group_size: int) -> None:
+        # A daemon: an abandoned writer never holds up the interpreter's exit.
+        super().__init__(name="mmstore-encode", daemon=True)
+        self.parquet = parquet
+        self.table: pa.Table | None = table
+        self.row_group_size = row_group_size
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            assert self.table is not None
+            self.parquet.write_table(self.table, row_group_size=self.row_group_size)
+        except BaseException as exc:  # raised in the writer's thread, by _finish_encoding
+            self.error = exc
+        self.table = None
+
+
 def check_partition(run_id: Any, step: Any) -> None:
     """Refuse a run id or step that cannot name a hive partition directory."""
     if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
@@ -176,6 +204,7 @@ class RolloutWriter:
         self._num_tokens: list[int] = []  # of every row in the open file, for its footer
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
+        self._encoding: _Encoding | None = None  # the row group being encoded, if any
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
         self._closed = False
 
@@ -264,14 +293,28 @@ class RolloutWriter:
         return layout_for_fingerprint(fingerprint)
 
     def _flush_row_group(self) -> None:
+        """Start encoding the pending rows as a row group (see :class:`_Encoding`)."""
         if not self._pending:
             return
         table = _table(self._pending)
+        self._finish_encoding()  # one row group in flight: row groups stay in order
         if self._parquet is None:
             self._sink = pa.BufferOutputStream()
             self._parquet = pq.ParquetWriter(self._sink, ROLLOUT_SCHEMA, **parquet_options())
-        self._parquet.write_table(table, row_group_size=self.row_group_size)
+        self._encoding = _Encoding(self._parquet, table, self.row_group_size)
+        self._encoding.start()
         self._pending = []
+
+    def _finish_encoding(self) -> None:
+        """Wait for the row group being encoded. If its encoding failed, the file cannot be
+        finished: the writer is aborted (nothing of it is committed) and the error raised."""
+        encoding, self._encoding = self._encoding, None
+        if encoding is None:
+            return
+        encoding.join()
+        if encoding.error is not None:
+            self.abort()
+            raise encoding.error
 
     # -- committing ----------------------------------------------------------------------
 
@@ -290,12 +333,14 @@ class RolloutWriter:
             self._flush_row_group()
             if self._parquet is None or self._sink is None:
                 return None
+        # Media first (the last row group encodes meanwhile), then the file that names it.
+        self.store.sync_media(self._unsynced)
+        if self._encoded is None:
             self._encoded = self._encode()
         rel = (
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
-        self.store.sync_media(self._unsynced)
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
         # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
         # file in place; any other file under this writer's unique name is not ours.
@@ -308,6 +353,7 @@ class RolloutWriter:
 
     def _encode(self) -> bytes:
         """Close the Parquet writer and return the whole file."""
+        self._finish_encoding()
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
         metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
@@ -323,8 +369,12 @@ class RolloutWriter:
         self._pending = []
         self._encoded = None
         self._num_tokens = []
+        if self._encoding is not None:
+            self._encoding.join()  # never close the Parquet writer under its encoder
+            self._encoding = None
         if self._parquet is not None:
-            self._parquet.close()
+            with contextlib.suppress(Exception):  # a writer whose encoding failed
+                self._parquet.close()
         self._parquet = self._sink = None
         self._closed = True
 
