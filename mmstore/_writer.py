@@ -2,7 +2,8 @@
 
 Rows are checked against every invariant (and their media must exist) as they are
 written; a refused row raises and leaves the writer, and the store, as they were. Row groups
-are encoded as they fill, so memory holds compressed bytes, not Python rows.
+are encoded as they fill (each on a thread beside the writer's, see :class:`_Encoding`), so
+memory holds compressed bytes, not Python rows.
 """
 
 from __future__ import annotations
