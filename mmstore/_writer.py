@@ -330,14 +330,19 @@ class RolloutWriter:
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        # Media first, then the file that names it.
         if self._encoded is None:
             self._flush_row_group()
             if self._parquet is None or self._sink is None:
                 return None
-        # Media first (the last row group encodes meanwhile), then the file that names it.
-        self.store.sync_media(self._unsynced)
-        if self._encoded is None:
-            self._encoded = self._encode()
+            # The media's fsyncs run while the last row group encodes; the file is finished
+            # either way, so a failed sync leaves a commit to retry like any failed commit.
+            try:
+                self.store.sync_media(self._unsynced)
+            finally:
+                self._encoded = self._encode()
+        else:
+            self.store.sync_media(self._unsynced)
         rel = (
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
