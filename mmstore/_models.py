@@ -77,9 +77,12 @@ def _to_list(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+# The store keeps float32; rounding on validation makes a Rollout equal itself after a round
+# trip through Arrow, and refuses finite values that float32 would turn into infinity.
+_FLOAT32 = struct.Struct("<f")
+
+
 def _float32_array(values: list[float]) -> np.ndarray:
-    # The store keeps float32; rounding here makes a Rollout equal itself after a round trip
-    # through Arrow, and refuses finite values that float32 would turn into infinity.
     return _float32_arrays(values)[1]
 
 
@@ -113,8 +116,6 @@ def _int32_array(values: list[int]) -> np.ndarray:
         raise ValueError("token ids must fit in int32")
     return wide.astype(np.int32)
 
-
-_FLOAT32 = struct.Struct("<f")
 
 # The dtype each per-token list is stored as (the Parquet schema's list element types).
 LIST_DTYPES: dict[str, Any] = {"tokens": np.int32, "loss_mask": np.bool_, "logprobs": np.float32}
