@@ -89,9 +89,12 @@ def parquet_options() -> dict[str, Any]:
 _TOKEN_COLUMNS = LIST_DTYPES
 
 
+_FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
+
+
 def _buffered(rollout: Rollout) -> dict[str, Any]:
     """One accepted row as the writer buffers it."""
-    row = {field.name: getattr(rollout, field.name) for field in ROLLOUT_SCHEMA}
+    row = {name: getattr(rollout, name) for name in _FIELDS}
     for name in _TOKEN_COLUMNS:
         row[name] = list_array(rollout, name)
     row["images"] = [ref.model_dump() for ref in rollout.images]
