@@ -130,7 +130,8 @@ class _Arrays:
     kept with a snapshot of the list it came from, and used only while the row's list still
     equals that snapshot (:func:`list_array`): a list replaced or changed in place after
     validation is converted afresh. Not part of a row's value: every ``_Arrays`` compares
-    equal, and pickles and deep copies start empty.
+    equal, and pickles and deep copies start empty. The writer releases them once it holds
+    the arrays, and rows read back from a store never keep them.
     """
 
     __slots__ = ("cached",)
@@ -141,6 +142,11 @@ class _Arrays:
     def keep(self, name: str, values: list[Any], array: np.ndarray) -> None:
         array.flags.writeable = False  # shared by every writer the row goes to
         self.cached[name] = (list(values), array)
+
+    def release(self) -> None:
+        """Drop the arrays and snapshots (a third more memory than the row's lists): once
+        the writer holds the arrays, or for rows read back, which no writer needs."""
+        self.cached.clear()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Arrays)
@@ -279,6 +285,12 @@ def list_array(rollout: Rollout, name: str) -> np.ndarray | None:
         ) from None
 
 
+def released(rollout: Rollout) -> Rollout:
+    """``rollout`` without its validation arrays (:meth:`_Arrays.release`)."""
+    rollout._arrays.release()
+    return rollout
+
+
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
     """Rollouts as an Arrow table of the v1 schema."""
     rows = [r.model_dump() for r in rollouts]
@@ -288,4 +300,5 @@ def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
 def table_to_rollouts(table: pa.Table | pa.RecordBatch) -> list[Rollout]:
     """Arrow rows (of the v1 schema, any extra columns ignored) back as Rollouts."""
     names = [f.name for f in ROLLOUT_SCHEMA]
-    return [Rollout(**{k: row[k] for k in names}) for row in table.select(names).to_pylist()]
+    rows = table.select(names).to_pylist()
+    return [released(Rollout(**{k: row[k] for k in names})) for row in rows]

@@ -28,7 +28,7 @@ from ._families import (
     layout_from_record,
 )
 from ._invariants import check_rollout
-from ._models import LIST_DTYPES, Rollout, list_array
+from ._models import LIST_DTYPES, Rollout, list_array, released
 from ._scan import run_layouts
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
@@ -260,6 +260,7 @@ class RolloutWriter:
         self._sample_ids.add(rollout.sample_id)
         self._unsynced.update(ref.uri for ref in rollout.images)
         self._pending.append(_buffered(rollout))
+        released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
