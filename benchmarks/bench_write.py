@@ -8,9 +8,10 @@ The same encoded images and the same rows go down both paths, in one run, interl
 - plain: each image's bytes written with ``open``/``write``, the rows as one Parquet file
   with default ``pq.write_table`` (the rows already as dicts);
 - plain + fsync: the same, fsync'ing each file: what durability alone costs;
-- mmstore: ``Store.put_media`` per image (hash, header check, staging, fsync, link), then
+- mmstore: ``Store.put_media`` per image (hash, header check, staging, link), then
   ``Rollout`` construction (validation) and ``RolloutWriter.write`` (invariants, media
-  checks) for each row, and the atomic commit.
+  checks) for each row, and the atomic commit (which fsyncs every media file the rows
+  reference, then the Parquet file).
 
 Rows are realistic: GRPO groups of 8 sharing 2 prompt screenshots (1280x720 PNG), 2-4k
 tokens (placeholder spans of the real Qwen2-VL layout, Zipf-distributed text), completion

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._exceptions import ImageSizeError, InvalidArgumentError, InvalidRolloutError
 from ._families import Family, Layout, family_for_layout, layout_for_fingerprint
-from ._models import Rollout
+from ._models import Rollout, list_array
 
 LayoutLookup = Callable[[str], "Layout | None"]
 
@@ -33,6 +33,8 @@ def check_rollout(
     sid = rollout.sample_id
     _check_lengths(rollout, len(rollout.tokens))
     refs = rollout.images
+    tokens = list_array(rollout, "tokens")  # the int32 array validation made; the writer's too
+    assert tokens is not None  # a required field
 
     def family_of(index: int) -> Family:
         ref = refs[index]
@@ -40,7 +42,7 @@ def check_rollout(
 
     try:
         check_spans(
-            np.asarray(rollout.tokens, dtype=np.int64),
+            tokens,
             [r.offset for r in refs],
             [r.length for r in refs],
             [r.width for r in refs],

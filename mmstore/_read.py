@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._exceptions import CorruptFileError, NoMatchError
-from ._models import Rollout
+from ._models import Rollout, released
 from ._refscan import open_rollout_file, select_files
 from ._schema import ROLLOUT_SCHEMA, check_schema_version
 
@@ -39,7 +39,7 @@ def read_rollouts(
         table = _read(store, stat.path)
         if wanted is not None:
             table = table.filter(pc.is_in(table.column("sample_id"), pa.array(sorted(wanted))))
-        rows.extend(Rollout.model_validate(row) for row in table.to_pylist())
+        rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())
     missing = sorted(wanted - {r.sample_id for r in rows}) if wanted is not None else []
     if missing or not rows:
         what = f"sample ids {missing[:5]}" if missing else "rollouts"

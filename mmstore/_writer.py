@@ -2,12 +2,15 @@
 
 Rows are checked against every invariant (and their media must exist) as they are
 written; a refused row raises and leaves the writer, and the store, as they were. Row groups
-are encoded as they fill, so memory holds compressed bytes, not Python rows.
+are encoded as they fill (each on a thread beside the writer's, see :class:`_Encoding`), so
+memory holds compressed bytes, not Python rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import uuid
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -25,7 +28,7 @@ from ._families import (
     layout_from_record,
 )
 from ._invariants import check_rollout
-from ._models import Rollout
+from ._models import LIST_DTYPES, Rollout, list_array, released
 from ._scan import run_layouts
 from ._schema import ROLLOUT_SCHEMA, file_metadata
 
@@ -78,18 +81,22 @@ def parquet_options() -> dict[str, Any]:
     }
 
 
-# The long per-token lists, kept as numpy arrays from write to flush: a copy the caller
-# cannot mutate, several times smaller than Python lists, and turned into Arrow lists
-# without a per-element Python loop (model_dump + Table.from_pylist took 2.5x as long).
-_TOKEN_COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "logprobs": np.float32}
+# The long per-token lists, kept as numpy arrays from write to flush: several times smaller
+# than Python lists, and turned into Arrow lists without a per-element Python loop
+# (model_dump + Table.from_pylist took 2.5x as long). They are the arrays the Rollout's
+# validation already made (read-only, so no caller can change them after write), not a
+# second conversion of the lists: that was a third of a write's time.
+_TOKEN_COLUMNS = LIST_DTYPES
+
+
+_FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
 
 
 def _buffered(rollout: Rollout) -> dict[str, Any]:
     """One accepted row as the writer buffers it."""
-    row = {field.name: getattr(rollout, field.name) for field in ROLLOUT_SCHEMA}
-    for name, dtype in _TOKEN_COLUMNS.items():
-        if row[name] is not None:
-            row[name] = np.asarray(row[name], dtype=dtype)
+    row = {name: getattr(rollout, name) for name in _FIELDS}
+    for name in _TOKEN_COLUMNS:
+        row[name] = list_array(rollout, name)
     row["images"] = [ref.model_dump() for ref in rollout.images]
     return row
 
@@ -113,6 +120,32 @@ def _list_array(values: list[np.ndarray | None], type: pa.DataType, dtype: Any) 
     flat = np.concatenate(present) if present else np.empty(0, dtype=dtype)
     mask = None if len(present) == len(values) else pa.array([v is None for v in values])
     return pa.ListArray.from_arrays(offsets, flat, type=type, mask=mask)
+
+
+class _Encoding(threading.Thread):
+    """One row group encoded (zstd, page checksums) beside the writer's thread.
+
+    pyarrow releases the GIL while it encodes, so the next rows are validated meanwhile
+    instead of waiting: encoding is about a quarter of a write's CPU time. The writer keeps
+    at most one in flight and waits for it before the next, before closing the file, and
+    on abort; a failure is kept and raised there.
+    """
+
+    def __init__(self, parquet: pq.ParquetWriter, table: pa.Table, row_group_size: int) -> None:
+        # A daemon: an abandoned writer never holds up the interpreter's exit.
+        super().__init__(name="mmstore-encode", daemon=True)
+        self.parquet = parquet
+        self.table: pa.Table | None = table
+        self.row_group_size = row_group_size
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            assert self.table is not None
+            self.parquet.write_table(self.table, row_group_size=self.row_group_size)
+        except BaseException as exc:  # raised in the writer's thread, by _finish_encoding
+            self.error = exc
+        self.table = None
 
 
 def check_partition(run_id: Any, step: Any) -> None:
@@ -175,6 +208,7 @@ class RolloutWriter:
         self._num_tokens: list[int] = []  # of every row in the open file, for its footer
         self._sink: pa.BufferOutputStream | None = None
         self._parquet: pq.ParquetWriter | None = None
+        self._encoding: _Encoding | None = None  # the row group being encoded, if any
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
         self._closed = False
 
@@ -226,6 +260,7 @@ class RolloutWriter:
         self._sample_ids.add(rollout.sample_id)
         self._unsynced.update(ref.uri for ref in rollout.images)
         self._pending.append(_buffered(rollout))
+        released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
@@ -263,14 +298,28 @@ class RolloutWriter:
         return layout_for_fingerprint(fingerprint)
 
     def _flush_row_group(self) -> None:
+        """Start encoding the pending rows as a row group (see :class:`_Encoding`)."""
         if not self._pending:
             return
         table = _table(self._pending)
+        self._finish_encoding()  # one row group in flight: row groups stay in order
         if self._parquet is None:
             self._sink = pa.BufferOutputStream()
             self._parquet = pq.ParquetWriter(self._sink, ROLLOUT_SCHEMA, **parquet_options())
-        self._parquet.write_table(table, row_group_size=self.row_group_size)
+        self._encoding = _Encoding(self._parquet, table, self.row_group_size)
+        self._encoding.start()
         self._pending = []
+
+    def _finish_encoding(self) -> None:
+        """Wait for the row group being encoded. If its encoding failed, the file cannot be
+        finished: the writer is aborted (nothing of it is committed) and the error raised."""
+        encoding, self._encoding = self._encoding, None
+        if encoding is None:
+            return
+        encoding.join()
+        if encoding.error is not None:
+            self.abort()
+            raise encoding.error
 
     # -- committing ----------------------------------------------------------------------
 
@@ -285,16 +334,23 @@ class RolloutWriter:
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        # Media first, then the file that names it.
         if self._encoded is None:
             self._flush_row_group()
             if self._parquet is None or self._sink is None:
                 return None
-            self._encoded = self._encode()
+            # The media's fsyncs run while the last row group encodes; the file is finished
+            # either way, so a failed sync leaves a commit to retry like any failed commit.
+            try:
+                self.store.sync_media(self._unsynced)
+            finally:
+                self._encoded = self._encode()
+        else:
+            self.store.sync_media(self._unsynced)
         rel = (
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
-        self.store.sync_media(self._unsynced)
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
         # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
         # file in place; any other file under this writer's unique name is not ours.
@@ -307,6 +363,7 @@ class RolloutWriter:
 
     def _encode(self) -> bytes:
         """Close the Parquet writer and return the whole file."""
+        self._finish_encoding()
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
         metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
@@ -322,8 +379,12 @@ class RolloutWriter:
         self._pending = []
         self._encoded = None
         self._num_tokens = []
+        if self._encoding is not None:
+            self._encoding.join()  # never close the Parquet writer under its encoder
+            self._encoding = None
         if self._parquet is not None:
-            self._parquet.close()
+            with contextlib.suppress(Exception):  # a writer whose encoding failed
+                self._parquet.close()
         self._parquet = self._sink = None
         self._closed = True
 

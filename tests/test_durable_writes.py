@@ -93,3 +93,24 @@ def test_media_gone_before_commit_is_typed(tmp_path):
     with pytest.raises(mmstore.MediaNotFoundError):
         w.commit()
     assert store.rollout_files() == []
+
+
+def test_commit_syncs_every_directory_up_to_the_root_once(tmp_path, events):
+    # The new media's directories (media/ab/cd, media/ab, media) and the store root hold
+    # entries a power loss must not drop; two files under one root share the upper ones.
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = small_adapter()
+    media = [store.put_media(image_bytes(6)), store.put_media(image_bytes(7))]
+    events.clear()
+    with store.writer(run_id="r", step=0, adapter=adapter) as w:
+        w.write(make_row(adapter, media, "a"))
+    [rel] = w.committed
+    visible = events.index(("link", store.backend.abspath(rel)))
+    synced = [path for kind, path in events[:visible] if kind == "fsync"]
+    for ref in media:
+        directory = os.path.dirname(store.backend.abspath(ref.uri))
+        while directory != os.path.dirname(store.backend.base):
+            assert directory in synced, directory
+            directory = os.path.dirname(directory)
+    under_media = [path for path in synced if "/media" in path]
+    assert len(under_media) == len(set(under_media))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pyarrow.parquet as pq
 import pytest
@@ -124,6 +125,43 @@ def test_other_engines_read_the_files(store, adapter):
     assert frame["logprobs"].to_list() == [row.logprobs for row in rows]
     assert frame["tokens"].to_list() == [row.tokens for row in rows]
     assert frame["images"].to_list()[0][0]["hash"] == media.hash
+
+
+def test_row_groups_encode_beside_the_writer_and_stay_in_order(store, adapter, monkeypatch):
+    # Each full row group is encoded on a thread of its own (pyarrow drops the GIL) while
+    # the next rows are validated; the file still holds every row group, in order.
+    media = store.put_media(image_bytes(1))
+    threads = []
+    real = pq.ParquetWriter.write_table
+
+    def spy(self, table, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", spy)
+    rows = [make_row(adapter, [media], f"s{k}") for k in range(7)]
+    with store.writer(run_id="r", step=0, row_group_size=2) as w:
+        for row in rows:
+            w.write(row)
+    assert read_rows(store) == rows
+    assert len(threads) == 4 and threading.main_thread() not in threads
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_failed_encoding_commits_nothing_and_closes_the_writer(store, adapter, monkeypatch):
+    media = store.put_media(image_bytes(1))
+
+    def fail(self, table, *args, **kwargs):
+        raise MemoryError("no room to encode")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", fail)
+    w = store.writer(run_id="r", step=0, row_group_size=2)
+    with pytest.raises(MemoryError, match="no room"):
+        for k in range(4):  # the fourth row's flush waits for the first group: it failed
+            w.write(make_row(adapter, [media], f"s{k}"))
+    with pytest.raises(mmstore.InvalidRolloutError, match="closed"):
+        w.commit()
+    assert store.rollout_files() == []
 
 
 def test_file_names_never_collide(store, adapter):
