@@ -1,20 +1,8 @@
-"""DataLoader worker processes: their setup (torch threads, how they keep memory) and the
-stream they run (batches in reusable shared buffers, typed errors carried whole).
-
-A worker's hot loop allocates and frees the same large buffers for every image: the decoded
-image, the processor's float temporaries (tens of MB for a 1080p screenshot), the cast
-pixels, the batch. glibc serves blocks that large with a fresh ``mmap`` and returns them with
-``munmap``, so every one of them is page-faulted in again, page by page: on this project's
-machines that costs as much as the copy itself (a 46 MB ``torch.cat``: 28 ms fresh, 5 ms into
-reused memory). A worker therefore keeps what it frees (``mallopt``): its resident memory
-stays at its peak (a few batches' worth) instead of going back to the system between images.
-"""
+"""DataLoader worker processes: their setup (torch threads) and the stream they run
+(batches in reusable shared buffers, typed errors carried whole)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import multiprocessing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -28,13 +16,6 @@ if TYPE_CHECKING:
     from ._buffers import BatchBuffers
 
 RAISED = "_raised"  # a worker's batch stream ended in this error
-
-# glibc's mallopt parameters (malloc.h): blocks below the mmap threshold come from the heap,
-# and the heap's free top is returned to the system only beyond the trim threshold.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 1 << 30  # the largest block glibc still takes from its heap
-_TRIM_THRESHOLD = 2**31 - 1  # the most mallopt takes (an int): in effect, never trim
 
 
 def check_worker_threads(threads: int | None, context: Any) -> int:
@@ -64,31 +45,8 @@ def start_method(context: Any) -> str:
 
 
 def init_worker(threads: int, worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: torch to ``threads`` threads; freed memory kept."""
+    """DataLoader ``worker_init_fn``: keep torch to ``threads`` threads in this worker."""
     torch.set_num_threads(threads)
-    keep_freed_memory()
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep large freed blocks for reuse (see the module docstring); False where
-    the C library is not glibc (musl, macOS), which is left as it is."""
-    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
-    if mallopt is None:
-        return False
-    # The trim threshold first: raising the mmap threshold alone lets glibc trim the heap.
-    return bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-    )
-
-
-@functools.cache
-def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Any:
-    try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
-    except (OSError, AttributeError, TypeError):
-        return None
-    function.argtypes = list(argtypes)
-    return function
 
 
 class WorkerStream(IterableDataset[dict[str, Any]]):
