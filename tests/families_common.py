@@ -74,6 +74,36 @@ def media_ref(width: int, height: int, n: int = 0) -> MediaRef:
 # -- tiny models --------------------------------------------------------------------------------
 
 
+def tiny_qwen2_vl_config(*, num_hidden_layers: int) -> Any:
+    """A random-weight-sized Qwen2-VL config with the published token ids (patch 14, merge 2)."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=151680,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+    )
+
+
 def tiny_model(model_cls: Any, config: Any, dtype: torch.dtype, *, attn: str = "eager") -> Any:
     """A random-weight ``model_cls`` (seeded: the same weights every call), cast, in eval mode."""
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import mmstore
 from mmstore._synth import grpo_rollouts, screenshot
+from tests.families_common import tiny_qwen2_vl_config
 
 SMALL = 256 * 28 * 28
 
@@ -379,33 +380,10 @@ def test_ranks_are_disjoint_and_complete(filled, small_processor):
 
 
 def test_a_real_qwen2_vl_model_trains_on_every_batch(filled, small_processor):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     torch.manual_seed(0)
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=151680,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-    )
+    config = tiny_qwen2_vl_config(num_hidden_layers=1)
     for dtype in (torch.float32, torch.bfloat16):
         model = Qwen2VLForConditionalGeneration(config).to(dtype)
         ds = mmstore.RolloutDataset(filled, small_processor, dtype=dtype, steps=[0])

@@ -15,37 +15,15 @@ import pytest
 import torch
 
 import mmstore
+from tests.families_common import tiny_qwen2_vl_config
 from tests.test_packing import write_mixed
 
 
 def qwen2_vl(attn: str) -> torch.nn.Module:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     torch.manual_seed(0)
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=151680,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-    )
+    config = tiny_qwen2_vl_config(num_hidden_layers=2)
     model = Qwen2VLForConditionalGeneration(config).eval()
     model.set_attn_implementation(attn)
     return model
