@@ -31,6 +31,7 @@ from ._materialize import (
     Sample,
     check_missing_policy,
 )
+from ._media import warm_decoder
 from ._microbatch import packed_input_names
 from ._node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
 from ._order import DEFAULT_WINDOW_UNITS, EpochPlan, block_permutation, worker_batches
@@ -206,7 +207,9 @@ class RolloutDataset(IterableDataset[Sample]):
                 window=window,
                 shuffle=self.shuffle,
             )
-            rows = table.take(order[[p - lo for p in wanted[i:j]]])
+            mine = order[[p - lo for p in wanted[i:j]]]
+            materializer.note_window(table, [u.num_rows for u in plan.windows[window]], mine)
+            rows = table.take(mine)
             self._read_ahead(rows, materializer)
             try:
                 yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
@@ -504,6 +507,8 @@ class RolloutLoader:
         total = len(self)
         stream = self._stream(self.epoch, self.batches_yielded, total)
         buffers = self._batch_buffers()
+        if self.num_workers and self.dataset.adapter.takes_tensors:
+            warm_decoder()  # imported once here, not once in each worker it forks (~50 ms)
         loader = DataLoader(
             WorkerStream(stream, buffers) if self.num_workers else stream,
             batch_size=None,

@@ -11,7 +11,7 @@ by that hash, so no cache ever serves pixels of other bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
@@ -105,10 +105,10 @@ class Materializer:
         self._node_key = (
             (str(dtype), processor_digest(adapter.image_processor)) if node_cache else ()
         )
-        # Hashes more than one row of a window shows (a GRPO group's image): the only ones
-        # worth publishing to the node cache, at about a tenth of processing them (writing
-        # fresh /dev/shm pages), which an image nobody else asks for would pay for nothing.
-        self._shared: set[str] = set()
+        # Hashes another process of the node may ask for (:func:`wanted_elsewhere`): the only
+        # ones worth publishing to the node cache, at about a tenth of processing them
+        # (writing fresh /dev/shm pages), which an image nobody else asks for pays for nothing.
+        self._publish: set[str] = set()
 
     def samples(self, table: pa.Table) -> Iterator[Sample]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
@@ -119,8 +119,6 @@ class Materializer:
 
     def window(self, table: pa.Table) -> RowWindow:
         """The reader's checks over ``table``'s rows, for this loader's processor."""
-        if self.node_cache is not None:
-            self._note_shared(table)
         return RowWindow(
             table,
             family_checker(self.adapter),
@@ -129,16 +127,16 @@ class Materializer:
             image_token_ids=self.adapter.special_token_ids,
         )
 
-    def _note_shared(self, table: pa.Table) -> None:
-        if len(self._shared) > _MAX_SHARED:  # a bound: forget the oldest windows' hashes
-            self._shared.clear()
-        try:
-            hashes = pc.struct_field(pc.list_flatten(table.column("images")), "hash")
-            counts = pc.value_counts(hashes)
-        except (KeyError, pa.ArrowException):  # a malformed column: RowWindow names it
+    def note_window(
+        self, table: pa.Table, unit_rows: Sequence[int], mine: np.ndarray | None = None
+    ) -> None:
+        """Learn which images of a window (``table``, in file order) to publish on a miss:
+        those :func:`wanted_elsewhere` finds."""
+        if self.node_cache is None:
             return
-        shared = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
-        self._shared.update(h for h in shared.to_pylist() if isinstance(h, str))
+        if len(self._publish) > _MAX_SHARED:  # a bound: forget the oldest windows' hashes
+            self._publish.clear()
+        self._publish |= wanted_elsewhere(table, unit_rows, mine)
 
     def checked_sample(self, row: CheckedRow) -> Sample:
         """A row that passed the reader's checks -> tensors, images materialized."""
@@ -207,7 +205,7 @@ class Materializer:
         if self.node_cache is None:
             return self._process(ref)
         key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
-        publish = ref.hash in self._shared
+        publish = ref.hash in self._publish
         return self.node_cache.get_or_compute(key, lambda: self._process(ref), publish=publish)
 
     def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
@@ -240,3 +238,50 @@ class Materializer:
     def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.
         return cast_floats(self.adapter.placeholder(ref.width, ref.height), self.dtype)
+
+
+def wanted_elsewhere(
+    table: pa.Table, unit_rows: Sequence[int], mine: np.ndarray | None = None
+) -> set[str]:
+    """The image hashes of one window (``table``: its units' rows in file order, ``unit_rows``
+    rows each) that another process of the node may ask for, besides this one:
+
+    - those shown by a row another DataLoader worker builds (``mine``: the rows, by index,
+      this worker builds; None where that is unknown: those several rows show);
+    - those of a GRPO group at a unit's first or last row: the group may go on in the
+      neighbouring unit (row group), which another rank, or a later window, reads.
+
+    A group that is all this worker's, inside one unit, is served by the worker's own cache:
+    publishing its image would cost a write to /dev/shm nobody reads back.
+    """
+    try:
+        images = table.column("images").combine_chunks()
+        hashes = pc.struct_field(pc.list_flatten(images), "hash").to_numpy(zero_copy_only=False)
+        rows = pc.list_parent_indices(images).to_numpy()
+        groups = table.column("group_id").to_pylist()
+    except (KeyError, pa.ArrowException):  # a malformed column: RowWindow names it
+        return set()
+    elsewhere = np.zeros(table.num_rows, dtype=bool)
+    if mine is None:
+        values, counts = np.unique(hashes[hashes != None], return_counts=True)  # noqa: E711
+        wanted = set(values[counts > 1].tolist())
+    else:
+        elsewhere[:] = True
+        elsewhere[mine] = False
+        wanted = set()
+    for start, stop in _unit_bounds(unit_rows):
+        for edge, step in ((start, 1), (stop - 1, -1)):
+            row = edge  # the edge row's block: rows of its group_id, run from the edge
+            while start <= row < stop and groups[row] is not None and groups[row] == groups[edge]:
+                elsewhere[row] = True
+                row += step
+    wanted.update(hashes[elsewhere[rows]].tolist())
+    return {h for h in wanted if isinstance(h, str)}
+
+
+def _unit_bounds(unit_rows: Sequence[int]) -> Iterator[tuple[int, int]]:
+    start = 0
+    for count in unit_rows:
+        if count:
+            yield start, start + count
+        start += count

@@ -138,6 +138,11 @@ def decode_rgb_tensor(
     return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
+def warm_decoder() -> None:
+    """Import the tensor decoder now (before DataLoader workers fork: they inherit it)."""
+    _torchcodec_decoder()
+
+
 def _torchcodec_decoder() -> Any:
     try:
         from torchcodec.decoders import decode_image

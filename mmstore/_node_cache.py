@@ -98,16 +98,18 @@ class NodeCache:
             return dict(compute())
         with FileLock(path + ".lock"):
             found = self._read(path)  # computed by whoever held the lock before us
-            if found is not None:
-                self.hits += 1
-                return found
-            tensors = {k: v.contiguous() for k, v in compute().items()}
-            self.misses += 1
-            self._publish(path, tensors)
+            computed = found is None
+            if found is None:
+                found = {k: v.contiguous() for k, v in compute().items()}
+                self._publish(path, found)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path + ".lock")  # lock files of published entries are not needed again
-        self._evict()
-        return tensors
+        if computed:
+            self.misses += 1
+            self._evict()
+        else:
+            self.hits += 1
+        return found
 
     # -- entries ----------------------------------------------------------------------
 

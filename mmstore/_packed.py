@@ -172,9 +172,11 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         dataset = self.planner.dataset
         window = units.get(unit)
         if window is None:  # read, conformed and checked as the padded loader reads
-            window = units[unit] = dataset.materializer(self.deferred).window(
-                read_units(dataset.store, [unit])
-            )
+            materializer = dataset.materializer(self.deferred)
+            table = read_units(dataset.store, [unit])
+            # Which worker packs which row is the plan's: any row may be another's.
+            materializer.note_window(table, [table.num_rows])
+            window = units[unit] = materializer.window(table)
             while len(units) > UNIT_CACHE:
                 units.popitem(last=False)
         sample = dataset.materializer(self.deferred).checked_sample(window.row(index))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
+from mmstore._materialize import wanted_elsewhere
 from mmstore._node_cache import NodeCache, processor_digest
 from mmstore._worker import init_worker
 from tests.store_workers import SMALL_MAX_PIXELS, image_bytes, make_row, small_adapter
@@ -46,9 +49,10 @@ def batches(store, directory, *, rank=0, world_size=1, workers=0, node_cache_byt
     return list(mmstore.RolloutLoader(ds, batch_size=2, num_workers=workers))
 
 
-def test_only_images_several_rows_show_are_published(tmp_path):
-    # One image shared by four rows, four images shown once: publishing those would cost a
-    # write of their pixels to /dev/shm that nobody reads back.
+def test_only_images_another_process_may_ask_for_are_published(tmp_path):
+    # One image shared by a group at the unit's edge (it may go on in the next unit, another
+    # rank's), four images shown once: publishing those would cost a write of their pixels
+    # to /dev/shm that nobody reads back.
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = small_adapter()
     shared = store.put_media(image_bytes(1))
@@ -65,6 +69,86 @@ def test_only_images_several_rows_show_are_published(tmp_path):
     plain = batches(store, tmp_path / "off", node_cache_bytes=0)
     for a, b in zip(plain, got, strict=True):
         assert torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def published(directory):
+    return {e.name for e in directory.iterdir()} if directory.exists() else set()
+
+
+def node_key(hash_, adapter):
+    return NodeCache("unused", 1).key(hash_, adapter.fingerprint, *key_parts())
+
+
+def grouped_store(root, groups, group_size, row_group_size):
+    """GRPO groups of ``group_size`` rows sharing their image, written in order."""
+    store = mmstore.Store.open(root, create=True)
+    adapter = small_adapter()
+    refs = []
+    with store.writer(run_id="r", step=0, adapter=adapter, row_group_size=row_group_size) as w:
+        for g in range(groups):
+            refs.append(store.put_media(image_bytes(200 + g)))
+            for i in range(group_size):
+                w.write(make_row(adapter, [refs[-1]], f"g{g}-{i}", group_id=f"g{g}"))
+    return store, adapter, refs
+
+
+def test_a_group_one_worker_builds_whole_is_not_published(tmp_path):
+    # Three groups of 8 in one unit of 24 rows, batches of 8: each group is one batch of one
+    # worker, whose own cache serves its 7 other rows. Only the groups at the unit's edges,
+    # which might go on in a neighbouring unit, are published.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 24)
+    directory = tmp_path / "node"
+    ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
+    got = list(mmstore.RolloutLoader(ds, batch_size=8, num_workers=2))
+    assert published(directory) == {
+        node_key(refs[0].hash, adapter),
+        node_key(refs[2].hash, adapter),
+    }
+    assert sum(b["node_cache_misses"] for b in got) == 3
+    assert sum(b["cache_hits"] for b in got) == 21
+
+
+def test_a_group_split_across_workers_is_processed_once_per_node(tmp_path):
+    # Batches of 4: each group's two halves go to the two workers, neither at a unit edge.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 24)
+    directory = tmp_path / "node"
+    ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
+    got = list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))
+    assert published(directory) == {node_key(r.hash, adapter) for r in refs}
+    assert sum(b["node_cache_misses"] for b in got) == 3
+    assert sum(b["node_cache_hits"] for b in got) == 3
+    plain = list(mmstore.RolloutLoader(mmstore.RolloutDataset(store, processor()), batch_size=4))
+    for a, b in zip(plain, got, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def _window(groups, hashes):
+    images = pa.array(
+        [[{"hash": h} for h in row] for row in hashes],
+        pa.list_(pa.struct([("hash", pa.string())])),
+    )
+    return pa.table({"images": images, "group_id": pa.array(groups, pa.string())})
+
+
+def test_wanted_elsewhere():
+    # Two units of 4 rows: groups a (rows 0-2), b (3-4, cut by the unit boundary), c (5-6),
+    # and a row of no group at the end.
+    table = _window(
+        ["a", "a", "a", "b", "b", "c", "c", None],
+        [["A"], ["A"], ["A"], ["B"], ["B"], ["C1", "C2"], ["C2"], ["D"]],
+    )
+    units = [4, 4]
+    # Every row this worker's: the edge groups only (a starts unit 0, b ends it and starts
+    # unit 1); c is inside unit 1, and the last row has no group to go on.
+    assert wanted_elsewhere(table, units, np.arange(8)) == {"A", "B"}
+    # Row 6 another worker's: its images too.
+    assert wanted_elsewhere(table, units, np.array([0, 1, 2, 3, 4, 5, 7])) == {"A", "B", "C2"}
+    # One unit of all 8 rows: no group is cut; the unit's first group still is at its edge.
+    assert wanted_elsewhere(table, [8], np.arange(8)) == {"A"}
+    # Which worker builds which row unknown (packed micro-batches): what several rows show.
+    assert wanted_elsewhere(table, [8], None) == {"A", "B", "C2"}
+    # A malformed window publishes nothing (the reader's checks name what is wrong).
+    assert wanted_elsewhere(pa.table({"x": [1]}), [1], None) == set()
 
 
 def key_parts():

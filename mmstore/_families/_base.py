@@ -258,7 +258,14 @@ class Family(ABC):
         return self.image_processor(images=list(images), **kwargs)
 
     def processor_kwargs(self) -> dict[str, Any]:
-        return {"return_tensors": "np"}
+        return {"return_tensors": self.tensor_type}
+
+    @property
+    def tensor_type(self) -> str:
+        """What the processor returns: a torchvision backend's own torch tensors (asking it for
+        numpy costs half its processing again: 29 ms against 19 ms on a 1080p image here), a
+        PIL backend's own numpy arrays. :meth:`process` views either as numpy, uncopied."""
+        return "pt" if self.takes_tensors else "np"
 
     @abstractmethod
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:

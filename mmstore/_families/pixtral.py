@@ -189,7 +189,7 @@ class Pixtral(Family):
 
     def processor_kwargs(self) -> dict[str, Any]:
         # What PixtralProcessor._process_images passes: resize to multiples of patch * merge.
-        return {"return_tensors": "np", "patch_size": self.token_side}
+        return {"return_tensors": self.tensor_type, "patch_size": self.token_side}
 
     def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
         out = super().process(images)
