@@ -12,7 +12,7 @@ baseline time over mmstore time), measured in one run, interleaved, median with 
   torchvision side by side. A
   second, stricter limit decodes as the loader does for a torchvision processor (TorchCodec
   straight to a tensor) rather than with Pillow.
-- ``grpo8.*``: GRPO groups of 8 sharing their image (32 groups at full scale), 2 simulated
+- ``grpo8.*``: GRPO groups of 8 sharing their image (128 groups at full scale), 2 simulated
   ranks running at once (a process each, 2 workers each, one node cache directory, fresh
   per repetition), over the limit of 2 workers (the machine's 2 cores); the node cache's
   miss count next to the number of distinct images.
@@ -27,12 +27,16 @@ the suite runs, not for quoting. Results go to ``--out`` (default: a scratch fol
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
+import resource
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -41,15 +45,48 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from benchmarks import bench_write
-from benchmarks._common import WORKLOADS, interleaved
-from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, images_per_s
+from benchmarks._common import WORKLOADS, interleaved, timed
+from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build
 from mmstore._media import decode_rgb_tensor
 
 WORKERS = 2
 BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcessor}
 
 
-def _limit(paths: list[list[str]], proc: Any, *, tensors: bool = False) -> float:
+class CpuTally:
+    """CPU seconds per image of each timed run, by name: a second view of every throughput,
+    blind to what the machine's neighbours take (wall-clock figures here moved by up to
+    half between runs an hour apart; CPU seconds far less)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[float]] = {}
+
+    def timed(self, name: str, run: Callable[[], tuple[float, int]]) -> float:
+        """``run()`` -> (images/s, images); notes the CPU this process and its waited-for
+        children (DataLoader workers, simulated ranks) spent per image."""
+        before = _cpu_seconds()
+        rate, images = run()
+        self.runs.setdefault(name, []).append((_cpu_seconds() - before) / images)
+        return rate
+
+    def timing(
+        self, runs: dict[str, Callable[[], tuple[float, int]]]
+    ) -> dict[str, Callable[[], float]]:
+        """``runs`` as the images/s timings :func:`interleaved` takes, each one tallied."""
+        return {name: functools.partial(self.timed, name, run) for name, run in runs.items()}
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.runs[name])
+
+
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _limit(paths: list[list[str]], proc: Any, *, tensors: bool = False) -> tuple[float, int]:
     """Images/s if each worker's core only decoded and processed (single-threaded): workers
     over the mean seconds per image of the workload's own distinct images, all of them (a
     loader's throughput is their sum; a few images' median misjudged it by up to 10%).
@@ -72,7 +109,12 @@ def _limit(paths: list[list[str]], proc: Any, *, tensors: bool = False) -> float
     start = time.perf_counter()
     for path in distinct:
         one(path)
-    return WORKERS * len(distinct) / (time.perf_counter() - start)
+    return WORKERS * len(distinct) / (time.perf_counter() - start), len(distinct)
+
+
+def _loader_rate(loader: Any) -> tuple[float, int]:
+    seconds, images = timed(lambda: sum(int(b["image_grid_thw"].shape[0]) for b in loader))
+    return images / seconds, images
 
 
 def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
@@ -82,26 +124,26 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     procs = {name: cls() for name, cls in BACKENDS.items()}
     store, paths = build(f"{tmp}/distinct", spec, samples, procs["pil"])
 
-    def ours(name: str) -> float:
+    cpu = CpuTally()
+
+    def ours(name: str) -> tuple[float, int]:
         ds = mmstore.RolloutDataset(store, procs[name], seed=0, node_cache_bytes=0)
-        return images_per_s(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
+        return _loader_rate(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
 
-    def naive(name: str) -> float:
+    def naive(name: str) -> tuple[float, int]:
         data = NaiveDataset(paths, procs[name])
-        return images_per_s(DataLoader(data, BATCH, num_workers=WORKERS, collate_fn=_cat))
+        return _loader_rate(DataLoader(data, BATCH, num_workers=WORKERS, collate_fn=_cat))
 
-    figures = interleaved(
-        {
-            "limit_torchvision": lambda: _limit(paths, procs["torchvision"]),
-            "limit_torchvision_tensor": lambda: _limit(paths, procs["torchvision"], tensors=True),
-            "mmstore_torchvision": lambda: ours("torchvision"),
-            "naive_pil": lambda: naive("pil"),
-            "naive_torchvision": lambda: naive("torchvision"),
-            "limit_pil": lambda: _limit(paths, procs["pil"]),
-            "mmstore_pil": lambda: ours("pil"),
-        },
-        reps,
-    )
+    runs: dict[str, Callable[[], tuple[float, int]]] = {
+        "limit_torchvision": lambda: _limit(paths, procs["torchvision"]),
+        "limit_torchvision_tensor": lambda: _limit(paths, procs["torchvision"], tensors=True),
+        "mmstore_torchvision": lambda: ours("torchvision"),
+        "naive_pil": lambda: naive("pil"),
+        "naive_torchvision": lambda: naive("torchvision"),
+        "limit_pil": lambda: _limit(paths, procs["pil"]),
+        "mmstore_pil": lambda: ours("pil"),
+    }
+    figures = interleaved(cpu.timing(runs), reps)
     med = {k: v["median"] for k, v in figures.items()}
     return {
         "images_per_s": figures,
@@ -114,6 +156,10 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "pil_over_limit": med["mmstore_pil"] / med["limit_pil"],
         "pil_over_naive_pil": med["mmstore_pil"] / med["naive_pil"],
         "torchvision_over_pil": med["mmstore_torchvision"] / med["mmstore_pil"],
+        "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
+        "cpu_limit_over_torchvision": (
+            cpu.median("limit_torchvision") / cpu.median("mmstore_torchvision")
+        ),
     }
 
 
@@ -137,8 +183,9 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     proc = Qwen2VLImageProcessor()
     store, paths = build(f"{tmp}/grpo8", spec, samples, proc)
     counts: list[dict[str, int]] = []
+    cpu = CpuTally()
 
-    def ours() -> float:
+    def ours() -> tuple[float, int]:
         # Both ranks at once, each its own process with its own workers, as on a node; one
         # node cache directory, fresh per repetition (nothing cached yet).
         # On /dev/shm, where the cache lives by default (memory), not on the scratch disk:
@@ -160,13 +207,16 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
             process.join()
         shutil.rmtree(cache_dir, ignore_errors=True)
         counts.append({k: sum(d[k] for d in done) for k in ("hits", "misses")})
-        return sum(d["images"] for d in done) / seconds
+        images = sum(d["images"] for d in done)
+        return images / seconds, images
 
-    figures = interleaved({"limit": lambda: _limit(paths, proc), "mmstore": ours}, reps)
+    figures = interleaved(cpu.timing({"limit": lambda: _limit(paths, proc), "mmstore": ours}), reps)
     med = {k: v["median"] for k, v in figures.items()}
     return {
         "images_per_s": figures,
         "over_limit": med["mmstore"] / med["limit"],
+        "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
+        "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("mmstore"),
         "distinct_images": len({p for ps in paths for p in ps}),
         "images": sum(len(ps) for ps in paths),
         "node_cache_per_rep": counts,
@@ -176,8 +226,9 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
 def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
     small = scale < 0.5
     # 256 samples at full scale: a pass of 64 (32 images a worker) measured mostly the
-    # start of a pass (forking workers, their first faulted-in buffers), not its steady state;
-    # for GRPO (32 groups), the two ranks' start-ups outweighed 8 groups' distinct images.
+    # start of a pass (forking workers, their first faulted-in buffers), not its steady state.
+    # GRPO 4x as many (128 groups, 64 batches a rank): with 32 groups the two ranks' start-ups
+    # (about 0.5 s: forking, first buffers) were a third of the pass.
     samples = max(32, round(256 * scale))
     with tempfile.TemporaryDirectory() as tmp:
         result: dict[str, Any] = {
@@ -186,7 +237,7 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
             "cores": os.cpu_count(),
             "direction": "every ratio: higher = mmstore better",
             "distinct": distinct(tmp, samples, small, reps),
-            "grpo8": grpo8(tmp, samples, small, reps),
+            "grpo8": grpo8(tmp, 4 * samples, small, reps),
         }
     written = bench_write.run(scale, reps)
     result["write"] = {
@@ -207,6 +258,8 @@ def table(result: dict[str, Any]) -> str:
         ("loader PIL / naive PIL Dataset", d["pil_over_naive_pil"], ""),
         ("loader tv / loader PIL", d["torchvision_over_pil"], ""),
         ("GRPO-8 2x2 loader / limit", g["over_limit"], ">= 6"),
+        ("CPU s/image: limit tv / loader tv, distinct", d["cpu_limit_over_torchvision"], ""),
+        ("CPU s/image: limit / GRPO-8 2x2 loader", g["cpu_limit_over_mmstore"], ""),
         ("plain+fsync write time / mmstore", w["plain_fsync_over_mmstore"], ">= 0.67"),
     ]
     lines = [

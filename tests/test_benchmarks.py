@@ -34,4 +34,9 @@ def test_speed_benchmark_smoke():
     # Each distinct image processed once on the node, however samples fell on workers/ranks.
     assert [c["misses"] for c in grpo["node_cache_per_rep"]] == [grpo["distinct_images"]]
     assert result["write"]["plain_fsync_over_mmstore"] > 0
-    assert "GRPO-8" in bench_speed.table(result)
+    # CPU per image counts the DataLoader workers (and the simulated ranks' processes): a
+    # loader's CPU per image cannot be below processing each distinct image once.
+    cpu = result["distinct"]["cpu_seconds_per_image"]
+    assert cpu["mmstore_torchvision"] > 0.5 * cpu["limit_torchvision_tensor"] > 0
+    assert 0 < grpo["cpu_limit_over_mmstore"] < 16
+    assert "GRPO-8" in bench_speed.table(result) and "CPU s/image" in bench_speed.table(result)
