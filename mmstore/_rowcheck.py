@@ -11,7 +11,8 @@ loader (and ``verify``) re-check every row it reads, with the writer's own span 
   truncation slices numpy views, so a forged row of millions of tokens costs no Python list;
 - masks have the tokens' length, fields are in range, hashes are hex, image sizes are within
   the store's pixel limit (before any layout math or placeholder is computed), and the spans
-  of the kept images hold exactly their family's expansion with no stray image token.
+  of every image hold exactly their family's expansion with no stray image token (the whole
+  row, also where ``max_len`` keeps a part: a row refused whole is refused cut).
 
 A bad row raises a typed :class:`MmstoreError` naming the file, run, step and sample (and
 the image index where there is one); ``verify`` reports the same errors as problems.
@@ -203,13 +204,12 @@ class RowWindow:
         """``(cut, first ref index, refs kept)`` of a row that passes; raises otherwise."""
         n = self._check_fields(i, sid)
         lo, hi = self.images.range(i)
+        s = self.tokens.start(i)
+        # The whole row is checked, whatever max_len keeps of it: a row refused without
+        # max_len is refused with it (a forged span past the cut is still a forged row).
         if lo == hi:  # text only: the span rule reduces to "no image token anywhere"
-            cut = n if self.max_len is None else min(n, self.max_len)
-            s = self.tokens.start(i)
-            check_spans(
-                self.tokens.values[s : s + cut], (), (), (), (), _none, self.image_token_ids
-            )
-            return cut, lo, 0
+            check_spans(self.tokens.values[s : s + n], (), (), (), (), _none, self.image_token_ids)
+            return (n if self.max_len is None else min(n, self.max_len)), lo, 0
         if hi - lo > min(n, MAX_ROW_IMAGES):
             raise InvalidRolloutError(
                 f"{hi - lo} images for {n} tokens: more than the tokens (or "
@@ -218,28 +218,27 @@ class RowWindow:
         self.images.check_fields(lo, hi)
         offsets = self.images.offset[lo:hi]
         lengths = self.images.length[lo:hi]
-        cut, kept = n, hi - lo
-        if self.max_len is not None:
-            cut, kept = truncation_point(offsets, lengths, n, self.max_len)
-            if cut == 0:
-                raise InvalidRolloutError(
-                    f"max_len={self.max_len} cuts inside the first image; nothing would remain",
-                    image_index=0,
-                )
-        s = self.tokens.start(i)
 
         def family_of(index: int) -> Family:
             return self.family_of(*self.images.layout_of(lo + index))
 
         check_spans(
-            self.tokens.values[s : s + cut],
-            offsets[:kept],
-            lengths[:kept],
-            self.images.width[lo : lo + kept],
-            self.images.height[lo : lo + kept],
+            self.tokens.values[s : s + n],
+            offsets,
+            lengths,
+            self.images.width[lo:hi],
+            self.images.height[lo:hi],
             family_of,
             self.image_token_ids,
         )
+        if self.max_len is None:
+            return n, lo, hi - lo
+        cut, kept = truncation_point(offsets, lengths, n, self.max_len)
+        if cut == 0:
+            raise InvalidRolloutError(
+                f"max_len={self.max_len} cuts inside the first image; nothing would remain",
+                image_index=0,
+            )
         return cut, lo, kept
 
     def _check_fields(self, i: int, sid: Any) -> int:

@@ -252,6 +252,22 @@ def test_a_huge_row_costs_no_python_lists_with_max_len(store, small_processor, a
     assert peak < 40 * 2**20, peak
 
 
+@pytest.mark.parametrize("max_len", [None, 6])
+def test_a_forged_span_past_the_cut_is_refused_as_without_max_len(
+    store, small_processor, adapter, media, max_len
+):
+    # Two images; the second's span is damaged. max_len=6 keeps only the first image (its 4
+    # tokens after one text token, one more text token): the damage lies past the cut, and
+    # the row is still a forged row.
+    row = make_row(adapter, media, n_images=2)
+    second = row["images"][1]["offset"]
+    assert second == 6
+    row["tokens"][second + 1] = 8
+    path = forge(store, adapter, [row])
+    err = refused(store, small_processor, path, max_len=max_len)
+    assert err.image_index == 1 and "inside the span" in err.message
+
+
 def test_a_row_above_the_hard_cap_is_refused(store, small_processor, adapter, media, monkeypatch):
     from mmstore import _rowcheck
 
