@@ -166,14 +166,13 @@ def read_rollouts(
     data = ray.data.read_parquet(
         [backend.abspath(path) for path in snapshot.files],
         filesystem=backend.fs,
-        columns=[*ROW_COLUMNS, "run_id", "step"],
         partitioning=Partitioning(
             PartitionStyle.HIVE,
             base_dir=backend.abspath("rollouts"),
             field_types={"run_id": str, "step": int},
         ),
         include_paths=True,
-    )
+    ).select_columns([*ROW_COLUMNS, "run_id", "step", PATH_COLUMN])  # pushed into the read
     return data.map_batches(
         _Materialize,
         fn_constructor_kwargs={
