@@ -93,8 +93,13 @@ def hf_dataset(paths: list[list[str]], proc: Any) -> Any:
 
 
 def images_per_s(loader: Any) -> float:
+    return loader_rate(loader)[0]
+
+
+def loader_rate(loader: Any) -> tuple[float, int]:
+    """A pass of ``loader``: images/s and the images it gave."""
     seconds, images = timed(lambda: sum(int(b["image_grid_thw"].shape[0]) for b in loader))
-    return images / seconds
+    return images / seconds, images
 
 
 def per_image_seconds(paths: list[list[str]], proc: Any, n: int = 6) -> float:

@@ -45,8 +45,8 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from benchmarks import bench_write
-from benchmarks._common import WORKLOADS, interleaved, timed
-from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build
+from benchmarks._common import WORKLOADS, interleaved
+from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rate
 from mmstore._media import decode_rgb_tensor
 
 WORKERS = 2
@@ -55,8 +55,9 @@ BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcesso
 
 class CpuTally:
     """CPU seconds per image of each timed run, by name: a second view of every throughput,
-    blind to what the machine's neighbours take (wall-clock figures here moved by up to
-    half between runs an hour apart; CPU seconds far less)."""
+    which excludes time the machine's neighbours take from our cores (though not their
+    pressure on shared caches and memory: on 2026-12-01 CPU seconds per image moved by up to
+    2.8x between runs, as wall-clock figures did)."""
 
     def __init__(self) -> None:
         self.runs: dict[str, list[float]] = {}
@@ -112,11 +113,6 @@ def _limit(paths: list[list[str]], proc: Any, *, tensors: bool = False) -> tuple
     return WORKERS * len(distinct) / (time.perf_counter() - start), len(distinct)
 
 
-def _loader_rate(loader: Any) -> tuple[float, int]:
-    seconds, images = timed(lambda: sum(int(b["image_grid_thw"].shape[0]) for b in loader))
-    return images / seconds, images
-
-
 def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     spec = {**WORKLOADS["photos"], "kind": "screenshot", "image_size": (1920, 1080)}
     if small:
@@ -128,11 +124,11 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
 
     def ours(name: str) -> tuple[float, int]:
         ds = mmstore.RolloutDataset(store, procs[name], seed=0, node_cache_bytes=0)
-        return _loader_rate(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
+        return loader_rate(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
 
     def naive(name: str) -> tuple[float, int]:
         data = NaiveDataset(paths, procs[name])
-        return _loader_rate(DataLoader(data, BATCH, num_workers=WORKERS, collate_fn=_cat))
+        return loader_rate(DataLoader(data, BATCH, num_workers=WORKERS, collate_fn=_cat))
 
     runs: dict[str, Callable[[], tuple[float, int]]] = {
         "limit_torchvision": lambda: _limit(paths, procs["torchvision"]),

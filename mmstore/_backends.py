@@ -102,7 +102,7 @@ class LocalBackend:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         if durable:
-            _fsync_dir(os.path.dirname(dest))
+            _fsync_path(os.path.dirname(dest))
         return True
 
     def put_content(self, rel: str, data: bytes) -> None:
@@ -177,7 +177,7 @@ class LocalBackend:
                     break
                 dirs.add(directory)
         for directory in sorted(dirs, key=len, reverse=True):
-            _fsync_dir(directory)
+            _fsync_path(directory)
 
     def stage(self, data: bytes, *, durable: bool = True) -> str:
         """A staging file holding ``data`` (fsync'd if ``durable``); the caller moves or
@@ -277,9 +277,6 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-_fsync_dir = _fsync_path
-
-
 def _makedirs_durable(path: str) -> None:
     """``makedirs``, then fsync the parent of each directory it created, so that a file
     linked into a new directory survives a power loss along with its directory entries."""
@@ -291,7 +288,7 @@ def _makedirs_durable(path: str) -> None:
         return
     os.makedirs(missing[0], exist_ok=True)
     for created in reversed(missing):
-        _fsync_dir(os.path.dirname(created))
+        _fsync_path(os.path.dirname(created))
 
 
 def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:

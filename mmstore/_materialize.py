@@ -256,15 +256,18 @@ def wanted_elsewhere(
     """
     try:
         images = table.column("images").combine_chunks()
-        hashes = pc.struct_field(pc.list_flatten(images), "hash").to_numpy(zero_copy_only=False)
+        flat = pc.struct_field(pc.list_flatten(images), "hash")
         rows = pc.list_parent_indices(images).to_numpy()
         groups = table.column("group_id").to_pylist()
     except (KeyError, pa.ArrowException):  # a malformed column: RowWindow names it
         return set()
+    hashes = flat.to_numpy(zero_copy_only=False)
     elsewhere = np.zeros(table.num_rows, dtype=bool)
     if mine is None:
-        values, counts = np.unique(hashes[hashes != None], return_counts=True)  # noqa: E711
-        wanted = set(values[counts > 1].tolist())
+        counts = pc.value_counts(flat)
+        wanted = set(
+            pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1)).to_pylist()
+        )
     else:
         elsewhere[:] = True
         elsewhere[mine] = False

@@ -81,21 +81,18 @@ def parquet_options() -> dict[str, Any]:
     }
 
 
-# The long per-token lists, kept as numpy arrays from write to flush: several times smaller
-# than Python lists, and turned into Arrow lists without a per-element Python loop
-# (model_dump + Table.from_pylist took 2.5x as long). They are the arrays the Rollout's
-# validation already made (read-only, so no caller can change them after write), not a
-# second conversion of the lists: that was a third of a write's time.
-_TOKEN_COLUMNS = LIST_DTYPES
-
-
 _FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
 
 
 def _buffered(rollout: Rollout) -> dict[str, Any]:
     """One accepted row as the writer buffers it."""
     row = {name: getattr(rollout, name) for name in _FIELDS}
-    for name in _TOKEN_COLUMNS:
+    # The long per-token lists are kept as numpy arrays from write to flush: several times
+    # smaller than Python lists, and turned into Arrow lists without a per-element Python
+    # loop (model_dump + Table.from_pylist took 2.5x as long). They are the arrays the
+    # Rollout's validation already made (read-only, so no caller can change them after
+    # write), not a second conversion of the lists: that was a third of a write's time.
+    for name in LIST_DTYPES:
         row[name] = list_array(rollout, name)
     row["images"] = [ref.model_dump() for ref in rollout.images]
     return row
@@ -106,8 +103,8 @@ def _table(rows: list[dict[str, Any]]) -> pa.Table:
     columns = []
     for field in ROLLOUT_SCHEMA:
         values = [row[field.name] for row in rows]
-        if field.name in _TOKEN_COLUMNS:
-            columns.append(_list_array(values, field.type, _TOKEN_COLUMNS[field.name]))
+        if field.name in LIST_DTYPES:
+            columns.append(_list_array(values, field.type, LIST_DTYPES[field.name]))
         else:
             columns.append(pa.array(values, type=field.type))
     return pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)

@@ -62,9 +62,7 @@ def test_only_images_another_process_may_ask_for_are_published(tmp_path):
             w.write(make_row(adapter, [store.put_media(image_bytes(10 + i))], f"own-{i}"))
     directory = tmp_path / "node"
     got = batches(store, directory)
-    assert [e.name for e in directory.iterdir()] == [
-        NodeCache(str(directory), 1).key(shared.hash, adapter.fingerprint, *key_parts())
-    ]
+    assert [e.name for e in directory.iterdir()] == [node_key(directory, shared.hash, adapter)]
     assert sum(b["node_cache_misses"] for b in got) == 5  # each image processed once
     plain = batches(store, tmp_path / "off", node_cache_bytes=0)
     for a, b in zip(plain, got, strict=True):
@@ -75,8 +73,9 @@ def published(directory):
     return {e.name for e in directory.iterdir()} if directory.exists() else set()
 
 
-def node_key(hash_, adapter):
-    return NodeCache("unused", 1).key(hash_, adapter.fingerprint, *key_parts())
+def node_key(directory, hash_, adapter):
+    """The name of ``hash_``'s entry in the node cache at ``directory``."""
+    return NodeCache(str(directory), 1).key(hash_, adapter.fingerprint, *key_parts())
 
 
 def grouped_store(root, groups, group_size, row_group_size):
@@ -101,8 +100,8 @@ def test_a_group_one_worker_builds_whole_is_not_published(tmp_path):
     ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
     got = list(mmstore.RolloutLoader(ds, batch_size=8, num_workers=2))
     assert published(directory) == {
-        node_key(refs[0].hash, adapter),
-        node_key(refs[2].hash, adapter),
+        node_key(directory, refs[0].hash, adapter),
+        node_key(directory, refs[2].hash, adapter),
     }
     assert sum(b["node_cache_misses"] for b in got) == 3
     assert sum(b["cache_hits"] for b in got) == 21
@@ -114,7 +113,7 @@ def test_a_group_split_across_workers_is_processed_once_per_node(tmp_path):
     directory = tmp_path / "node"
     ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
     got = list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))
-    assert published(directory) == {node_key(r.hash, adapter) for r in refs}
+    assert published(directory) == {node_key(directory, r.hash, adapter) for r in refs}
     assert sum(b["node_cache_misses"] for b in got) == 3
     assert sum(b["node_cache_hits"] for b in got) == 3
     plain = list(mmstore.RolloutLoader(mmstore.RolloutDataset(store, processor()), batch_size=4))
