@@ -127,16 +127,16 @@ def test_a_commit_whose_rename_landed_is_not_committed_twice(store, adapter, mon
     media = store.put_media(image_bytes(6))
     w = store.writer(run_id="r", step=0)
     w.write(make_row(adapter, [media], "a"))
-    real = _backends._fsync_dir
+    real = _backends._fsync_path
     calls = {"n": 0}
 
-    def fsync_dir(path):  # the file is linked into place, then its directory's fsync fails
+    def fsync_path(path):  # the file is linked into place, then its directory's fsync fails
         if "step=0" in path and calls["n"] == 0:
             calls["n"] += 1
             raise OSError(errno.EIO, "I/O error")
         return real(path)
 
-    monkeypatch.setattr(_backends, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(_backends, "_fsync_path", fsync_path)
     with pytest.raises(OSError):
         w.commit()
     assert w.commit() == store.rollout_files()[0].path
