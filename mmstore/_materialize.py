@@ -167,22 +167,25 @@ class Materializer:
         """One image's tensors (floats in the train dtype), from cache or the processor."""
         self.check_ref(ref, where)
         key = (ref.hash, self.adapter.fingerprint)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
-        outputs = self.guarded(ref, where, sample, lambda: self._processed(ref))
+        outputs = self.cache.get(key)
+        hit = outputs is not None
         if outputs is None:
-            return self._placeholder(ref)
+            outputs = self.guarded(ref, where, sample, lambda: self._processed(ref))
+            if outputs is None:
+                return self._placeholder(ref)
         try:
-            # On a node-cache hit too: the pixels fit this hash, the check ties them to this
-            # ref's size and span.
+            # On every hit too (this worker's cache or the node's): the pixels fit this hash,
+            # the check ties them to this ref's size and span, which a row may forge around
+            # a known hash.
             self.adapter.check_output(
                 outputs, ref, sample_id=where.get("sample_id"), image_index=where["image_index"]
             )
         except MmstoreError as exc:
             raise with_context(exc, **where) from None
-        nbytes = sum(t.numel() * t.element_size() for t in outputs.values())
-        self.cache.put(key, outputs, nbytes)
+        if not hit:
+            self.cache.put(
+                key, outputs, sum(t.numel() * t.element_size() for t in outputs.values())
+            )
         return outputs
 
     def guarded(

@@ -451,3 +451,30 @@ def test_corrupt_rows_give_consistent_batches_or_a_typed_error(
         assert image_tokens == int(grid.prod(dim=1).sum()) // merge
         assert batch["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
         assert torch.equal(batch["mm_token_type_ids"].bool(), ids == IMG)
+
+
+def _claims_a_larger_size(adapter, row, media):
+    """``row``'s image re-laid out as if its (real 56x56) bytes were 112x112: a row whose
+    tokens, span and size agree, and whose size the bytes contradict."""
+    big = media[0].model_copy(update={"width": 112, "height": 112})
+    tokens, refs = adapter.expand([7, adapter.image_token_id, 8, 9], [big])
+    row.update(
+        tokens=tokens,
+        prompt_len=len(tokens) - 1,
+        loss_mask=[False] * (len(tokens) - 1) + [True],
+        logprobs=[-0.5] * len(tokens),
+        images=[ref.model_dump() for ref in refs],
+    )
+
+
+@pytest.mark.parametrize("order", ["miss", "hit"])
+def test_a_size_the_bytes_contradict_is_refused_on_a_cache_hit_too(
+    store, small_processor, adapter, media, order
+):
+    honest = make_row(adapter, media, "honest")
+    forged = make_row(adapter, media, "forged")
+    _claims_a_larger_size(adapter, forged, media)
+    rows = [honest, forged] if order == "hit" else [forged]  # "hit": the pixels are cached
+    path = forge(store, adapter, rows)
+    err = refused(store, small_processor, path, error=mmstore.LayoutMismatchError)
+    assert err.sample_id == "forged" and err.image_index == 0
