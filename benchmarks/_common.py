@@ -6,9 +6,11 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
@@ -75,6 +77,23 @@ def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, dic
         k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
         for k, v in values.items()
     }
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Torch on one thread, as in a DataLoader worker, then as it was.
+
+    A limit of ``workers / seconds per image`` counts one core per worker: timed with
+    torch's default threads (every core), the processor's resize and copies run in parallel
+    and the limit counted the cores twice (on 2 cores: 21.5 against 26-28 ms per 1080p
+    screenshot, a limit about 25% too high).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

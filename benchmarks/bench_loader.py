@@ -26,7 +26,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import mmstore
-from benchmarks._common import WORKLOADS, cli, interleaved, processor, timed
+from benchmarks._common import WORKLOADS, cli, interleaved, processor, single_threaded, timed
 from mmstore._synth import grpo_rollouts
 
 BATCH = 8
@@ -104,10 +104,11 @@ def loader_rate(loader: Any) -> tuple[float, int]:
 
 def per_image_seconds(paths: list[list[str]], proc: Any, n: int = 6) -> float:
     costs = []
-    for p in sorted({p for ps in paths for p in ps})[:n]:
-        start = time.perf_counter()
-        proc(images=[Image.open(p).convert("RGB")], return_tensors="pt")
-        costs.append(time.perf_counter() - start)
+    with single_threaded():
+        for p in sorted({p for ps in paths for p in ps})[:n]:
+            start = time.perf_counter()
+            proc(images=[Image.open(p).convert("RGB")], return_tensors="pt")
+            costs.append(time.perf_counter() - start)
     return statistics.median(costs)
 
 

@@ -15,7 +15,10 @@ baseline time over mmstore time), measured in one run, interleaved, median with 
 - ``grpo8.*``: GRPO groups of 8 sharing their image (128 groups at full scale), 2 simulated
   ranks running at once (a process each, 2 workers each, one node cache directory, fresh
   per repetition), over the limit of 2 workers (the machine's 2 cores); the node cache's
-  miss count next to the number of distinct images.
+  miss count next to the number of distinct images. Side by side: the same loader with
+  ``distinct_images=True`` (each image once per batch: the trainer expands on its GPU, or
+  runs the vision tower once per image), and that loader with the batches expanded here on
+  the CPU (the cost where there is no GPU).
 - ``write.plain_fsync_over_mmstore``: plain file writes with one fsync per file over mmstore
   writes of the same bytes (benchmarks/bench_write.py), time over time.
 
@@ -45,7 +48,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from benchmarks import bench_write
-from benchmarks._common import WORKLOADS, interleaved
+from benchmarks._common import WORKLOADS, interleaved, single_threaded
 from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rate
 from mmstore._media import decode_rgb_tensor
 
@@ -106,11 +109,13 @@ def _limit(paths: list[list[str]], proc: Any, *, tensors: bool = False) -> tuple
             proc(images=[Image.open(path).convert("RGB")], return_tensors="pt")
 
     distinct = sorted({p for ps in paths for p in ps})
-    one(distinct[0])  # the first call's one-time costs (imports, allocator) are no image's
-    start = time.perf_counter()
-    for path in distinct:
-        one(path)
-    return WORKERS * len(distinct) / (time.perf_counter() - start), len(distinct)
+    with single_threaded():
+        one(distinct[0])  # the first call's one-time costs (imports, allocator) are no image's
+        start = time.perf_counter()
+        for path in distinct:
+            one(path)
+        seconds = time.perf_counter() - start
+    return WORKERS * len(distinct) / seconds, len(distinct)
 
 
 def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
@@ -159,14 +164,26 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     }
 
 
-def _rank(store: mmstore.Store, proc: Any, rank: int, cache_dir: str, results: Any) -> None:
+# The GRPO loaders side by side: plain batches (what the model takes), batches with each
+# distinct image once (what a trainer moves to its GPU and expands there, one concatenation
+# on the GPU), and those expanded here on the CPU (what it costs without a GPU).
+GRPO_MODES = ("plain", "distinct", "distinct_expanded_on_cpu")
+
+
+def _rank(
+    store: mmstore.Store, proc: Any, rank: int, cache_dir: str, mode: str, results: Any
+) -> None:
     """One simulated rank of 2: its loader read through, images and node-cache counts."""
     ds = mmstore.RolloutDataset(
         store, proc, seed=0, rank=rank, world_size=2, node_cache_dir=cache_dir
     )
+    loader = mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS, distinct_images=mode != "plain")
     tally = {"images": 0, "hits": 0, "misses": 0}
-    for b in mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS):
-        tally["images"] += int(b["image_grid_thw"].shape[0])
+    for b in loader:
+        if mode == "distinct_expanded_on_cpu":
+            b = mmstore.expand_images(b)
+        # the batch's images in model order (a distinct batch: its index says)
+        tally["images"] += len(b.get("image_index", b["image_grid_thw"]))
         tally["hits"] += b["node_cache_hits"]
         tally["misses"] += b["node_cache_misses"]
     results.put(tally)
@@ -178,10 +195,10 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         spec["image_size"] = (640, 360)
     proc = Qwen2VLImageProcessor()
     store, paths = build(f"{tmp}/grpo8", spec, samples, proc)
-    counts: list[dict[str, int]] = []
+    counts: dict[str, list[dict[str, int]]] = {mode: [] for mode in GRPO_MODES}
     cpu = CpuTally()
 
-    def ours() -> tuple[float, int]:
+    def ours(mode: str) -> tuple[float, int]:
         # Both ranks at once, each its own process with its own workers, as on a node; one
         # node cache directory, fresh per repetition (nothing cached yet).
         # On /dev/shm, where the cache lives by default (memory), not on the scratch disk:
@@ -191,7 +208,7 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         context = multiprocessing.get_context("fork")
         results = context.SimpleQueue()
         ranks = [
-            context.Process(target=_rank, args=(store, proc, rank, cache_dir, results))
+            context.Process(target=_rank, args=(store, proc, rank, cache_dir, mode, results))
             for rank in (0, 1)
         ]
         start = time.perf_counter()
@@ -202,17 +219,22 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         for process in ranks:
             process.join()
         shutil.rmtree(cache_dir, ignore_errors=True)
-        counts.append({k: sum(d[k] for d in done) for k in ("hits", "misses")})
+        counts[mode].append({k: sum(d[k] for d in done) for k in ("hits", "misses", "images")})
         images = sum(d["images"] for d in done)
         return images / seconds, images
 
-    figures = interleaved(cpu.timing({"limit": lambda: _limit(paths, proc), "mmstore": ours}), reps)
+    runs: dict[str, Callable[[], tuple[float, int]]] = {"limit": lambda: _limit(paths, proc)}
+    runs.update({mode: functools.partial(ours, mode) for mode in GRPO_MODES})
+    figures = interleaved(cpu.timing(runs), reps)
     med = {k: v["median"] for k, v in figures.items()}
     return {
         "images_per_s": figures,
-        "over_limit": med["mmstore"] / med["limit"],
+        "over_limit": med["plain"] / med["limit"],
+        "distinct_over_limit": med["distinct"] / med["limit"],
+        "distinct_expanded_on_cpu_over_limit": med["distinct_expanded_on_cpu"] / med["limit"],
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
-        "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("mmstore"),
+        "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("plain"),
+        "cpu_limit_over_distinct": cpu.median("limit") / cpu.median("distinct"),
         "distinct_images": len({p for ps in paths for p in ps}),
         "images": sum(len(ps) for ps in paths),
         "node_cache_per_rep": counts,
@@ -254,8 +276,15 @@ def table(result: dict[str, Any]) -> str:
         ("loader PIL / naive PIL Dataset", d["pil_over_naive_pil"], ""),
         ("loader tv / loader PIL", d["torchvision_over_pil"], ""),
         ("GRPO-8 2x2 loader / limit", g["over_limit"], ">= 6"),
+        ("GRPO-8 2x2 loader, each image once / limit", g["distinct_over_limit"], ">= 6"),
+        (
+            "GRPO-8 2x2 loader, each image once, expanded on the CPU / limit",
+            g["distinct_expanded_on_cpu_over_limit"],
+            "",
+        ),
         ("CPU s/image: limit tv / loader tv, distinct", d["cpu_limit_over_torchvision"], ""),
         ("CPU s/image: limit / GRPO-8 2x2 loader", g["cpu_limit_over_mmstore"], ""),
+        ("CPU s/image: limit / GRPO-8 each image once", g["cpu_limit_over_distinct"], ""),
         ("plain+fsync write time / mmstore", w["plain_fsync_over_mmstore"], ">= 0.67"),
     ]
     lines = [
@@ -268,7 +297,10 @@ def table(result: dict[str, Any]) -> str:
         "",
         f"GRPO-8 node cache: {g['distinct_images']} distinct images of {g['images']}; "
         f"per repetition (hits, misses): "
-        + ", ".join(f"({c['hits']}, {c['misses']})" for c in g["node_cache_per_rep"]),
+        + "; ".join(
+            f"{mode}: " + ", ".join(f"({c['hits']}, {c['misses']})" for c in reps)
+            for mode, reps in g["node_cache_per_rep"].items()
+        ),
     ]
     return "\n".join(lines)
 

@@ -42,12 +42,17 @@ QwenVLAdapter = QwenVL
 
 if TYPE_CHECKING:
     from ._dataset import RolloutDataset, RolloutLoader
+    from ._distinct import expand_images
 
 __version__ = "0.1.0"
 
 # The loader needs torch (the `torch` extra); the rollout side and debugging do not, so
 # these names import it only when first used.
-_TORCH_NAMES = {"RolloutDataset": "._dataset", "RolloutLoader": "._dataset"}
+_TORCH_NAMES = {
+    "RolloutDataset": "._dataset",
+    "RolloutLoader": "._dataset",
+    "expand_images": "._distinct",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -104,6 +109,7 @@ __all__ = [
     "check_rollout",
     "debug",
     "synth",
+    "expand_images",
     "export",
     "gc",
     "list_pins",

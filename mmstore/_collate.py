@@ -11,6 +11,7 @@ from torch.utils.data import get_worker_info
 
 from . import _buffers
 from ._device import collate_images
+from ._distinct import INDEX_KEY, ROWS_KEY
 from ._materialize import Sample, cast_floats
 
 if TYPE_CHECKING:
@@ -24,12 +25,13 @@ def collate(
     pad_token_id: int | None = None,
     dummy_image: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    distinct_images: bool = False,
 ) -> dict[str, Any]:
     """Pad and stack ``samples``; image tensors batched as ``family`` says.
 
     With ``dummy_image``, a batch without any image gets one tiny zero image appended after
     the first sample's tokens, attended (so position ids see it) but never in the loss, so
-    every FSDP rank runs the vision tower.
+    every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`._distinct`.
     """
     samples = list(samples)
     pad = family.pad_token_id if pad_token_id is None else pad_token_id
@@ -63,10 +65,11 @@ def collate(
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         **family.token_types(input_ids),
-        # No images: None, every model's own "no images" (their vision towers cannot run
-        # on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an empty list, SigLIP and
-        # MoonViT reshape an empty batch).
-        **(collate_images(family, images) if images else dict.fromkeys(family.image_inputs)),
+        **(
+            collate_images(family, images, distinct_images=distinct_images)
+            if images
+            else no_images(family, distinct_images)
+        ),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),
@@ -84,6 +87,16 @@ def dummy(family: Family, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, t
     width, height = family.dummy_size
     tokens = torch.tensor(family.expansion_array(width, height), dtype=torch.int64)
     return tokens, cast_floats(family.placeholder(width, height), dtype)
+
+
+def no_images(family: Family, distinct_images: bool) -> dict[str, Any]:
+    """The image inputs of a batch without images: None, every model's own "no images"
+    (their vision towers cannot run on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an
+    empty list, SigLIP and MoonViT reshape an empty batch)."""
+    out: dict[str, Any] = dict.fromkeys(family.image_inputs)
+    if distinct_images:
+        out.update({INDEX_KEY: torch.zeros(0, dtype=torch.int64), ROWS_KEY: {}})
+    return out
 
 
 def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

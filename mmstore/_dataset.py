@@ -270,10 +270,12 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         pad_token_id: int | None,
         total: int | None = None,
         deferred: bool = False,
+        distinct_images: bool = False,
     ) -> None:
         self.dataset = dataset
         self.total = total
         self.deferred = deferred
+        self.distinct_images = distinct_images
         self.epoch = epoch
         self.start = start
         self.batch_size = batch_size
@@ -305,6 +307,7 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
                     pad_token_id=self.pad_token_id,
                     dummy_image=self.dummy_image,
                     dtype=self.dataset.dtype,
+                    distinct_images=self.distinct_images,
                 )
                 batch["batch_index"] = position // bs
                 batch["cache_hits"], batch["cache_misses"] = (
@@ -381,6 +384,13 @@ class RolloutLoader:
     where none is available raises :class:`InvalidArgumentError`. ``"cpu"`` is valid too
     (the processor in the main process). With ``pin_memory=True`` the uint8 images arrive
     pinned and copy to the GPU asynchronously.
+
+    **Each distinct image once** (``distinct_images=True``, plain or packed): a batch whose
+    samples share an image (a GRPO group's) holds its tensors once, plus ``image_index`` and
+    ``image_rows`` (see :mod:`._distinct`); :func:`mmstore.expand_images` turns it into the
+    plain batch the model takes, best on the GPU after ``.to(device)``: workers then copy,
+    and the trainer moves, each image once per batch, and the trainer may also run the
+    vision tower once per distinct image and gather its features with ``image_index``.
     """
 
     def __init__(
@@ -400,12 +410,14 @@ class RolloutLoader:
         worker_threads: int | None = None,
         max_tokens: int | None = None,
         preprocess_device: str | torch.device | None = None,
+        distinct_images: bool = False,
     ) -> None:
         if batch_size <= 0:
             raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
         if max_tokens is not None and drop_last:
             raise InvalidArgumentError("drop_last does not apply to packed micro-batches")
         self.max_tokens = max_tokens
+        self.distinct_images = distinct_images
         self._planner = (
             None
             if max_tokens is None
@@ -478,6 +490,7 @@ class RolloutLoader:
                 stop=total,
                 pad_token_id=self.pad_token_id,
                 deferred=deferred,
+                distinct_images=self.distinct_images,
             )
         return _BatchStream(
             self.dataset,
@@ -489,6 +502,7 @@ class RolloutLoader:
             pad_token_id=self.pad_token_id,
             total=total,
             deferred=deferred,
+            distinct_images=self.distinct_images,
         )
 
     def build_batch(self, epoch: int, index: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._distinct import INDEX_KEY, ROWS_KEY, distinct, rows
 from ._exceptions import (
     InvalidArgumentError,
     LayoutMismatchError,
@@ -96,12 +97,27 @@ class DeferredMaterializer(Materializer):
         return PendingImage(pixels, integers, ref, where)
 
 
-def collate_images(family: Family, images: Sequence[Any]) -> dict[str, Any]:
+def collate_images(
+    family: Family, images: Sequence[Any], *, distinct_images: bool = False
+) -> dict[str, Any]:
     """``family.collate_images``, unless pending images are among them: then every image
-    travels as it is, in order, for the device stage to process and collate."""
+    travels as it is, in order, for the device stage to process and collate.
+
+    ``distinct_images``: each image object once, with ``image_index`` and ``image_rows``
+    (:mod:`._distinct`; the device stage adds the rows of the images it processes).
+    """
+    index = None
+    if distinct_images:
+        images, index = distinct(images)
     if any(isinstance(image, PendingImage) for image in images):
-        return {PENDING_KEY: list(images)}
-    return family.collate_images(images)
+        out: dict[str, Any] = {PENDING_KEY: list(images)}
+    else:
+        out = dict(family.collate_images(images))
+        if index is not None:
+            out[ROWS_KEY] = rows(list(family.image_inputs), images)
+    if index is not None:
+        out[INDEX_KEY] = index
+    return out
 
 
 def check_device(device: str | torch.device, family: Family) -> torch.device:
@@ -146,7 +162,10 @@ class DevicePreprocessor:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         pending = batch.pop(PENDING_KEY, None)
         if pending is not None:
-            batch.update(self.family.collate_images([self.image(e) for e in pending]))
+            images = [self.image(e) for e in pending]
+            batch.update(self.family.collate_images(images))
+            if INDEX_KEY in batch:  # a distinct batch: the rows of what was processed here
+                batch[ROWS_KEY] = rows(list(self.family.image_inputs), images)
         # Batches whose images were all placeholders (or a dummy) came collated: move them too.
         for key in self.family.image_inputs:
             if isinstance(batch.get(key), torch.Tensor):

@@ -50,6 +50,7 @@ def pack(
     add_dummy: bool,
     dtype: torch.dtype,
     pad_token_id: int | None = None,
+    distinct_images: bool = False,
 ) -> dict[str, Any]:
     """One micro-batch of ``samples`` (in order), plus a filler segment when needed.
 
@@ -81,7 +82,11 @@ def pack(
         "max_seqlen": max(lengths),
         "loss_mask": torch.cat([seg[1] for seg in segments])[None],
         **family.token_types(input_ids),
-        **collate_images(family, [image for seg in segments for image in seg[3]]),
+        **collate_images(
+            family,
+            [image for seg in segments for image in seg[3]],
+            distinct_images=distinct_images,
+        ),
         "sample_ids": [s.sample_id for s in samples] + fill,
         "group_ids": [s.group_id for s in samples] + [None] * len(fill),
         "is_filler": torch.tensor([False] * len(samples) + [True] * len(fill)),

@@ -130,9 +130,11 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         stop: int | None = None,
         pad_token_id: int | None = None,
         deferred: bool = False,
+        distinct_images: bool = False,
     ) -> None:
         self.planner = planner
         self.deferred = deferred  # images decoded only, for the device stage (._device)
+        self.distinct_images = distinct_images
         self.stop = stop
         self.pad_token_id = pad_token_id
         self.epoch = epoch
@@ -155,6 +157,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
                 add_dummy=bool(plan.dummy[index]),
                 dtype=ds.dtype,
                 pad_token_id=self.pad_token_id,
+                distinct_images=self.distinct_images,
             )
             batch.update(
                 epoch=self.epoch,

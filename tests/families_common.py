@@ -127,6 +127,47 @@ def train_loss(model: Any, loader: Any, batch: Mapping[str, Any]) -> torch.Tenso
     return model_output(model, loader, batch, labels_on="loss_mask").loss
 
 
+def check_distinct_images(
+    store: mmstore.Store,
+    processor: Any,
+    *,
+    batch_size: int,
+    dtype: torch.dtype = torch.float32,
+    num_workers: int = 0,
+    max_tokens: int | None = None,
+    preprocess_device: str | None = None,
+    **dataset_kwargs: Any,
+) -> int:
+    """Load ``store`` plainly and with ``distinct_images``: every distinct batch, expanded,
+    equals its plain batch key for key, tensor for tensor. The leading rows of the first
+    image input the distinct batches left out (0 where no batch shows an image twice)."""
+    ds = mmstore.RolloutDataset(store, processor, dtype=dtype, **dataset_kwargs)
+    options: dict[str, Any] = dict(
+        num_workers=num_workers, max_tokens=max_tokens, preprocess_device=preprocess_device
+    )
+    plain = list(mmstore.RolloutLoader(ds, batch_size, **options))
+    distinct = list(mmstore.RolloutLoader(ds, batch_size, distinct_images=True, **options))
+    assert len(plain) == len(distinct) > 0
+    first = next(iter(ds.adapter.image_inputs))
+    saved = 0
+    for want, batch in zip(plain, distinct, strict=True):
+        if isinstance(batch[first], torch.Tensor):
+            images = len(batch["image_index"])
+            assert len(batch["image_rows"][first]) == int(batch["image_index"].max()) + 1
+            saved += want[first].shape[0] - batch[first].shape[0]
+            assert want[first].shape[0] >= batch[first].shape[0] and images > 0
+        got = mmstore.expand_images(dict(batch))
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if "cache_" in key:  # counters: the second loader finds the node cache filled
+                continue
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == got[key].dtype and torch.equal(value, got[key]), key
+            else:
+                assert value == got[key], key
+    return saved
+
+
 # -- checks against the real processor -----------------------------------------------------------
 
 

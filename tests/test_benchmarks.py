@@ -31,12 +31,16 @@ def test_speed_benchmark_smoke():
     for key in ("torchvision_over_limit", "torchvision_over_tensor_limit", "torchvision_over_pil"):
         assert result["distinct"][key] > 0
     grpo = result["grpo8"]
-    # Each distinct image processed once on the node, however samples fell on workers/ranks.
-    assert [c["misses"] for c in grpo["node_cache_per_rep"]] == [grpo["distinct_images"]]
+    # Each distinct image processed once on the node, however samples fell on workers/ranks,
+    # and every image of every sample counted, whichever form the batches took.
+    for mode, reps in grpo["node_cache_per_rep"].items():
+        assert [c["misses"] for c in reps] == [grpo["distinct_images"]], mode
+        assert [c["images"] for c in reps] == [grpo["images"]], mode
     assert result["write"]["plain_fsync_over_mmstore"] > 0
     # CPU per image counts the DataLoader workers (and the simulated ranks' processes): a
     # loader's CPU per image cannot be below processing each distinct image once.
     cpu = result["distinct"]["cpu_seconds_per_image"]
     assert cpu["mmstore_torchvision"] > 0.5 * cpu["limit_torchvision_tensor"] > 0
     assert 0 < grpo["cpu_limit_over_mmstore"] < 16
+    assert 0 < grpo["cpu_limit_over_distinct"] < 16
     assert "GRPO-8" in bench_speed.table(result) and "CPU s/image" in bench_speed.table(result)

@@ -22,6 +22,7 @@ import mmstore
 from mmstore._families import family_for_layout, layout_from_record
 from mmstore.integrations import vllm
 from tests.families_common import (
+    check_distinct_images,
     check_output_fits,
     check_placeholder,
     check_refused_by,
@@ -499,3 +500,8 @@ def test_vllm_prompt_collapses_each_span_to_one_start_of_image(store, published)
     assert prompt["prompt_token_ids"] == [2, boi, 3, boi, 5, 4]
     assert prompt["multi_modal_uuids"] == {"image": [a.hash, b.hash]}
     assert [im.size for im in prompt["multi_modal_data"]["image"]] == [(40, 30), (7, 70)]
+
+
+def test_distinct_images_expand_to_the_plain_batches(filled, small):
+    # "one", "two" and "same" show image a: one batch of 4 carries it once.
+    assert check_distinct_images(filled, small, batch_size=4, steps=[0], shuffle=False) > 0

@@ -21,6 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import mmstore
 from mmstore.integrations import vllm
 from tests.families_common import (
+    check_distinct_images,
     check_output_fits,
     check_placeholder,
     check_refused_by,
@@ -515,3 +516,8 @@ def test_vllm_prompt_collapses_each_span_to_one_image_token(tmp_path, published)
     assert prompt["prompt_token_ids"].count(PUBLISHED["<|image|>"]) == 2
     assert [image.size for image in prompt["multi_modal_data"]["image"]] == [(300, 200), (57, 91)]
     assert prompt["multi_modal_uuids"]["image"] == [ref.hash for ref in rollout.images]
+
+
+def test_distinct_images_expand_to_the_plain_batches(filled, small):
+    # "again" shows the first image of "two": one batch of 4 carries it once.
+    assert check_distinct_images(filled, small, batch_size=4, shuffle=False) > 0

@@ -18,6 +18,7 @@ import mmstore
 from mmstore._synth import photo
 from mmstore.integrations import vllm
 from tests.families_common import (
+    check_distinct_images,
     check_output_fits,
     check_placeholder,
     check_refused_by,
@@ -462,3 +463,13 @@ def test_vllm_prompt_collapses_each_span_to_one_media_pad(tmp_path, published_pr
     assert [c["image"].size for c in chunks] == [(56, 42), (300, 200)]
     assert [c["uuid"] for c in chunks] == [m.hash for m in media]
     assert request["multi_modal_uuids"]["vision_chunk"] == [m.hash for m in media]
+
+
+def test_distinct_images_expand_to_the_plain_batches(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    rows = _fill(store, adapter, small_processor)
+    with store.writer(run_id="r", step=1, adapter=adapter) as w:
+        w.write(_rollout("again", rows[1].tokens, rows[1].images))  # "two"'s images again
+    shared = check_distinct_images(store, small_processor, batch_size=4, shuffle=False)
+    assert shared > 0

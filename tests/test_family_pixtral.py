@@ -29,6 +29,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import mmstore
 from mmstore.integrations import vllm
 from tests.families_common import (
+    check_distinct_images,
     check_output_fits,
     check_placeholder,
     check_refused_by,
@@ -503,3 +504,15 @@ def test_vllm_prompt_holds_one_image_token_per_image(store, mistral3):
     assert out["prompt_token_ids"] == [*prompt, 4, 3, 2]
     assert [im.size for im in out["multi_modal_data"]["image"]] == sizes
     assert out["multi_modal_uuids"]["image"] == [m.hash for m in media]
+
+
+def test_distinct_images_expand_to_the_plain_batches(filled, small):
+    adapter = mmstore.adapter_for(small)
+    media = [filled.put_image(noise(w, h, seed)) for w, h, seed in TRAIN_IMAGES]  # stored: refs
+    with filled.writer(run_id="s", step=0, adapter=adapter) as w:
+        w.write(_row(adapter, "x", [1, IMG, 3, IMG], media[:2]))
+        w.write(_row(adapter, "y", [1, IMG, 4], media[1:2]))
+        w.write(_row(adapter, "z", [1, IMG, 4], media[2:3]))
+    # Padded pixel values: the distinct images pad to the same largest size.
+    shared = check_distinct_images(filled, small, batch_size=3, runs=["s"], shuffle=False)
+    assert shared > 0
