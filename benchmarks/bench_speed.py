@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
@@ -174,6 +175,9 @@ def _rank(
     store: mmstore.Store, proc: Any, rank: int, cache_dir: str, mode: str, results: Any
 ) -> None:
     """One simulated rank of 2: its loader read through, images and node-cache counts."""
+    # A forked process: the parent's OpenMP threads did not come along, and torch starting
+    # them here hangs (libgomp). One thread, as in the loader's forked workers.
+    torch.set_num_threads(1)
     ds = mmstore.RolloutDataset(
         store, proc, seed=0, rank=rank, world_size=2, node_cache_dir=cache_dir
     )
