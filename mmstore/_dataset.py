@@ -378,8 +378,9 @@ class RolloutLoader:
     span, and collates the family's image tensors there. Batches (plain or packed) then
     hold their image tensors on the device, floats in the train dtype, integers in their
     usual dtype; every other tensor stays on the CPU as usual. Order, ``state_dict`` and
-    resume are unchanged. The worker and node pixel caches do not apply (nothing is
-    processed in workers; ``cache_misses`` counts the images the main process processed).
+    resume are unchanged. The node cache does not apply (nothing is processed in workers);
+    each worker's cache holds decoded images (``cache_misses``: images decoded), and the
+    device processes each distinct image of a batch once.
     A processor that is not a torchvision backend, a device torch does not know, or CUDA
     where none is available raises :class:`InvalidArgumentError`. ``"cpu"`` is valid too
     (the processor in the main process). With ``pin_memory=True`` the uint8 images arrive

@@ -63,8 +63,11 @@ class PendingImage:
 class DeferredMaterializer(Materializer):
     """A :class:`Materializer` whose images stop before the processor (worker side).
 
-    No pixel cache applies: processing happens in the main process, one image at a time.
-    Every image counts as a cache miss (the batch's ``cache_misses``: images processed).
+    Its cache holds decoded images (uint8), within the worker cache's byte budget: a GRPO
+    group's image is read and decoded once per worker, its pixels go to shared memory the
+    first time a batch carries them and travel by handle after, and the device stage
+    processes each distinct image of a batch once (``cache_misses``: images decoded). An
+    error the device stage raises for an image several samples show names the first.
     """
 
     @classmethod
@@ -76,7 +79,7 @@ class DeferredMaterializer(Materializer):
             dtype=materializer.dtype,
             missing=materializer.missing,
             max_len=materializer.max_len,
-            cache_bytes=0,
+            cache_bytes=materializer.cache.capacity,
         )
         deferred.media = materializer.media
         return deferred
@@ -84,9 +87,14 @@ class DeferredMaterializer(Materializer):
     def image(self, ref: ImageRef, where: dict[str, Any], sample: Sample) -> Any:
         """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
         self.check_ref(ref, where)
-        self.cache.misses += 1
-        pending = self.guarded(ref, where, sample, lambda: self._decoded(ref, where))
-        return self._placeholder(ref) if pending is None else pending
+        key = decoded_key(ref)
+        pending = self.cache.get(key)
+        if pending is None:
+            pending = self.guarded(ref, where, sample, lambda: self._decoded(ref, where))
+            if pending is None:
+                return self._placeholder(ref)
+            self.cache.put(key, pending, pending.pixels.numel())
+        return pending
 
     def _decoded(self, ref: ImageRef, where: dict[str, Any]) -> PendingImage:
         data = self.media.read_media(ref.uri, ref.hash)
@@ -95,6 +103,14 @@ class DeferredMaterializer(Materializer):
         layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
         integers = {key: torch.from_numpy(value) for key, value in layout.items()}
         return PendingImage(pixels, integers, ref, where)
+
+
+def decoded_key(ref: ImageRef) -> tuple[str, int, int, int]:
+    """What decides a pending image and its checks: its bytes (verified against the hash) and
+    the size and span its ref declares. The device stage checks a decoded image against the
+    span of the ref it was decoded for; a ref declaring another size or span for the same
+    bytes is decoded, and checked, on its own."""
+    return (ref.hash, ref.width, ref.height, ref.length)
 
 
 def collate_images(
@@ -162,7 +178,17 @@ class DevicePreprocessor:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         pending = batch.pop(PENDING_KEY, None)
         if pending is not None:
-            images = [self.image(e) for e in pending]
+            # Each image once: by content, not identity (pin_memory copies each entry).
+            done: dict[tuple[str, int, int, int], dict[str, torch.Tensor]] = {}
+            images = []
+            for entry in pending:
+                if not isinstance(entry, PendingImage):  # a placeholder or dummy: moved
+                    images.append(self.image(entry))
+                    continue
+                seen = decoded_key(entry.ref)
+                if seen not in done:
+                    done[seen] = self.image(entry)
+                images.append(done[seen])
             batch.update(self.family.collate_images(images))
             if INDEX_KEY in batch:  # a distinct batch: the rows of what was processed here
                 batch[ROWS_KEY] = rows(list(self.family.image_inputs), images)

@@ -97,7 +97,8 @@ class Materializer:
         self.dtype = dtype
         self.missing = missing
         self.max_len = max_len
-        self.cache: ByteLRU[dict[str, torch.Tensor]] = ByteLRU(cache_bytes)
+        # processed tensors by (hash, fingerprint); decoded images in a DeferredMaterializer
+        self.cache: ByteLRU[Any] = ByteLRU(cache_bytes)
         self.media: Any = store  # or a Prefetcher (._prefetch): same read_media, read ahead
         self.node_cache = node_cache
         # Everything besides hash and fingerprint that decides the pixels: the train dtype

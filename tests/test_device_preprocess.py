@@ -52,7 +52,7 @@ def batches(store, processor, *, device=None, workers=0, packed=False, **kw):
     return list(loader)
 
 
-def assert_same_batches(expected, got):
+def assert_same_batches(expected, got, *, same_workers=True):
     assert len(expected) == len(got) > 0
     for a, b in zip(expected, got, strict=True):
         assert PENDING_KEY not in b
@@ -63,9 +63,12 @@ def assert_same_batches(expected, got):
                 assert torch.equal(a[key], b[key]), key
             else:
                 assert a[key] == b[key], key
-        # no cache: every image of the batch (the dummy aside) was processed once
-        assert b["cache_hits"] == 0
-        assert b["cache_misses"] == a["cache_hits"] + a["cache_misses"]
+        # Every image of the batch (the dummy aside) looked up once; in the same workers, the
+        # cache of decoded images hits where the cache of processed ones does: each image
+        # decoded once per worker, as it is processed once per worker on the worker path.
+        assert b["cache_hits"] + b["cache_misses"] == a["cache_hits"] + a["cache_misses"]
+        if same_workers:
+            assert (b["cache_hits"], b["cache_misses"]) == (a["cache_hits"], a["cache_misses"])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -78,6 +81,38 @@ def test_batches_equal_the_worker_path(stored, processor, workers, packed):
     assert any(b["pixel_values"] is not None and len(b["pixel_values"]) for b in got)
     if not packed:  # text-only batches: the dummy travels too
         assert any(b["dummy_image"] for b in got)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_each_distinct_image_of_a_batch_is_processed_once_on_the_device(
+    stored, processor, monkeypatch, packed
+):
+    """GRPO groups share their images: each is decoded once per worker, travels once per
+    distinct batch, and is processed once per batch on the device, plain batches too."""
+    calls: list[PendingImage] = []
+    process = DevicePreprocessor.process
+    monkeypatch.setattr(
+        DevicePreprocessor,
+        "process",
+        lambda self, entry: calls.append(entry) or process(self, entry),
+    )
+    ds = mmstore.RolloutDataset(stored, processor, seed=5, node_cache_bytes=0)
+    shape = {"max_tokens": 700} if packed else {}
+    runs = {}
+    for distinct in (False, True):
+        calls.clear()
+        loader = mmstore.RolloutLoader(
+            ds, batch_size=4, preprocess_device="cpu", distinct_images=distinct, **shape
+        )
+        runs[distinct] = (list(loader), len(calls))
+    (plain, plain_calls), (shared, shared_calls) = runs[False], runs[True]
+    distinct_images = sum(len(b["image_rows"].get("pixel_values", ())) for b in shared)
+    images = sum(len(b["image_index"]) for b in shared)
+    assert plain_calls == shared_calls == distinct_images < images
+    for want, batch in zip(plain, shared, strict=True):
+        got = mmstore.expand_images(batch)
+        for key in ("input_ids", "pixel_values", "image_grid_thw"):
+            assert (want[key] is None and got[key] is None) or torch.equal(want[key], got[key])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -93,7 +128,7 @@ def test_resume_gives_the_same_batches(stored, processor, packed):
         ds, batch_size=4, num_workers=2, preprocess_device="cpu", **shape
     )
     resumed.load_state_dict(state)
-    assert_same_batches(full, head + list(resumed))
+    assert_same_batches(full, head + list(resumed), same_workers=False)
 
 
 def test_missing_media_become_zero_loss_placeholders(tmp_path, processor):
