@@ -7,13 +7,17 @@ then, with Qwen2-VL's torchvision image processor at its published defaults:
    pixels identical (grids, tokens, masks), image tensors on the device, pixel values equal
    to bf16 precision (within two 8-bit gray levels: CUDA's resampling rounds apart from the
    CPU's uint8 kernels). Exits 1 if not.
-2. ``images_per_s``: loader throughput of both paths, interleaved, median and spread over
-   ``--reps`` (the device path synchronizes the device before its clock stops).
+   The same holds for the device path with ``distinct_images=True``, expanded on the device.
+2. ``images_per_s``: loader throughput of the paths, interleaved, median and spread over
+   ``--reps`` (the device paths synchronize the device before their clocks stop).
+   ``--group-size 8`` shares each image across a GRPO group of 8 samples: the device then
+   processes each image once per batch, and with ``distinct_images`` it travels once.
 
 GPU machine: ``python scripts/device_preprocess_check.py --device cuda``. It runs on CPU too,
 at a tiny scale, to check the script itself::
 
     python scripts/device_preprocess_check.py --device cpu --samples 4 --size 320x180 --reps 1
+    python scripts/device_preprocess_check.py --device cuda --group-size 8 --samples 256
 
 Prints a JSON report (and writes it to ``--out`` if given).
 """
@@ -39,18 +43,27 @@ from mmstore._synth import grpo_rollouts
 STATS = {"cache_hits", "cache_misses", "node_cache_hits", "node_cache_misses"}
 
 
-def build_store(root: str, processor: Any, samples: int, size: tuple[int, int]) -> mmstore.Store:
+def build_store(
+    root: str, processor: Any, samples: int, size: tuple[int, int], group_size: int = 1
+) -> mmstore.Store:
     store = mmstore.Store.open(f"{root}/store", create=True)
     adapter = mmstore.adapter_for(processor)
     with store.writer(run_id="screens", step=0) as w:
         for rollout in grpo_rollouts(
-            store, adapter, groups=samples, group_size=1, images_per_sample=1, image_size=size
+            store,
+            adapter,
+            groups=max(1, samples // group_size),
+            group_size=group_size,
+            images_per_sample=1,
+            image_size=size,
         ):
             w.write(rollout)
     return store
 
 
-def loader(store: mmstore.Store, processor: Any, args: Any, device: str | None) -> Any:
+def loader(
+    store: mmstore.Store, processor: Any, args: Any, device: str | None, distinct: bool = False
+) -> Any:
     ds = mmstore.RolloutDataset(store, processor, seed=0, node_cache_bytes=0)
     return mmstore.RolloutLoader(
         ds,
@@ -58,7 +71,13 @@ def loader(store: mmstore.Store, processor: Any, args: Any, device: str | None) 
         num_workers=args.workers,
         preprocess_device=device,
         pin_memory=device is not None and device.startswith("cuda"),
+        distinct_images=distinct,
     )
+
+
+def expanded(batches: Any) -> Any:
+    """A distinct loader's batches as the model takes them, expanded where they are."""
+    return (mmstore.expand_images(batch) for batch in batches)
 
 
 def compare(cpu: dict[str, Any], dev: dict[str, Any], levels: float, device: str) -> dict[str, Any]:
@@ -103,6 +122,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--size", default="1920x1080", help="WIDTHxHEIGHT of the screenshots")
+    parser.add_argument(
+        "--group-size", type=int, default=1, help="samples per GRPO group, sharing its image"
+    )
     parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
@@ -115,7 +137,7 @@ def main() -> int:
     levels = 1 / 255 / min(processor.image_std)  # one 8-bit gray level after normalization
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
         started = time.perf_counter()
-        store = build_store(root, processor, args.samples, (width, height))
+        store = build_store(root, processor, args.samples, (width, height), args.group_size)
         built_s = time.perf_counter() - started
 
         # Equality first (this also warms the device: CUDA context, kernels).
@@ -128,14 +150,30 @@ def main() -> int:
             compare(a, b, levels, args.device)
             for a, b in itertools.islice(pairs, args.check_batches)
         ]
+        # Each distinct image once per batch (expanded on the device): the same batches.
+        pairs = zip(
+            loader(store, processor, args, None),
+            expanded(loader(store, processor, args, args.device, distinct=True)),
+            strict=True,
+        )
+        checks += [
+            compare(a, b, levels, args.device)
+            for a, b in itertools.islice(pairs, args.check_batches)
+        ]
         del pairs
 
-        runs: dict[str, list[float]] = {"workers": [], "device": []}
-        for _ in range(args.reps):  # interleaved: drift hits both alike
-            runs["workers"].append(images_per_s(lambda: loader(store, processor, args, None), None))
-            runs["device"].append(
-                images_per_s(lambda: loader(store, processor, args, args.device), args.device)
-            )
+        makers = {
+            "workers": (lambda: loader(store, processor, args, None), None),
+            "device": (lambda: loader(store, processor, args, args.device), args.device),
+            "device_distinct": (
+                lambda: expanded(loader(store, processor, args, args.device, distinct=True)),
+                args.device,
+            ),
+        }
+        runs: dict[str, list[float]] = {name: [] for name in makers}
+        for _ in range(args.reps):  # interleaved: drift hits all alike
+            for name, (make, device) in makers.items():
+                runs[name].append(images_per_s(make, device))
     med = {k: statistics.median(v) for k, v in runs.items()}
     ok = all(not c["problems"] for c in checks) and bool(checks)
     report = {
@@ -144,6 +182,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "image_size": [width, height],
         "samples": args.samples,
+        "group_size": args.group_size,
         "workers": args.workers,
         "batch_size": args.batch_size,
         "store_build_s": round(built_s, 2),
@@ -152,6 +191,7 @@ def main() -> int:
             k: {"median": med[k], "min": min(v), "max": max(v), "runs": v} for k, v in runs.items()
         },
         "device_over_workers": med["device"] / med["workers"],
+        "device_distinct_over_workers": med["device_distinct"] / med["workers"],
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -8,9 +8,13 @@ resumed or not; on a GPU the batches' image tensors live there, equal to bf16 pr
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pickle
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +355,24 @@ def test_batches_built_elsewhere_are_finished_where_consumed(stored, processor):
     built = [pickle.loads(pickle.dumps(loader.build_batch(0, i))) for i in range(len(loader))]
     assert any(PENDING_KEY in b for b in built)
     assert_same_batches(expected, [loader.finish_batch(b) for b in built])
+
+
+def test_the_gpu_check_script_runs_on_the_cpu(tmp_path):
+    """scripts/device_preprocess_check.py, as a GPU session runs it, at a tiny scale here."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "report.json"
+    args = ["--device", "cpu", "--samples", "8", "--group-size", "4", "--size", "160x90"]
+    args += ["--reps", "1", "--workers", "1", "--batch-size", "4", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "device_preprocess_check.py"), *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["equal"]) == 4
+    assert all(not check["problems"] for check in report["equal"])
+    assert set(report["images_per_s"]) == {"workers", "device", "device_distinct"}
