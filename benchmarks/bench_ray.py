@@ -77,6 +77,9 @@ def run(scale: float = 1.0, reps: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = write_workload(f"{tmp}/store", "screenshots", samples, small_images=True)
         ray.init(
+            # Its own node, even where another Ray runs on this machine (which ray.init()
+            # would join, refusing num_cpus).
+            address="local",
             num_cpus=PROCESSES + 1,
             include_dashboard=False,
             log_to_driver=False,
