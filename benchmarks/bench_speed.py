@@ -302,8 +302,8 @@ def table(result: dict[str, Any]) -> str:
         f"GRPO-8 node cache: {g['distinct_images']} distinct images of {g['images']}; "
         f"per repetition (hits, misses): "
         + "; ".join(
-            f"{mode}: " + ", ".join(f"({c['hits']}, {c['misses']})" for c in reps)
-            for mode, reps in g["node_cache_per_rep"].items()
+            f"{mode}: " + ", ".join(f"({c['hits']}, {c['misses']})" for c in per_rep)
+            for mode, per_rep in g["node_cache_per_rep"].items()
         ),
     ]
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def collate_images(
     else:
         out = dict(family.collate_images(images))
         if index is not None:
-            out[ROWS_KEY] = rows(list(family.image_inputs), images)
+            out[ROWS_KEY] = rows(family.image_inputs, images)
     if index is not None:
         out[INDEX_KEY] = index
     return out
@@ -191,7 +191,7 @@ class DevicePreprocessor:
                 images.append(done[seen])
             batch.update(self.family.collate_images(images))
             if INDEX_KEY in batch:  # a distinct batch: the rows of what was processed here
-                batch[ROWS_KEY] = rows(list(self.family.image_inputs), images)
+                batch[ROWS_KEY] = rows(self.family.image_inputs, images)
         # Batches whose images were all placeholders (or a dummy) came collated: move them too.
         for key in self.family.image_inputs:
             if isinstance(batch.get(key), torch.Tensor):

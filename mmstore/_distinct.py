@@ -19,7 +19,7 @@ and gather its features with ``image_index``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ def distinct(images: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
     return kept, torch.tensor(index, dtype=torch.int64)
 
 
-def rows(keys: Sequence[str], images: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+def rows(keys: Iterable[str], images: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
     """``image_rows`` of ``images`` (processed: each a dict of the family's image tensors)."""
     return {
         key: torch.tensor([int(image[key].shape[0]) for image in images], dtype=torch.int64)

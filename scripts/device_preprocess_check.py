@@ -140,28 +140,6 @@ def main() -> int:
         store = build_store(root, processor, args.samples, (width, height), args.group_size)
         built_s = time.perf_counter() - started
 
-        # Equality first (this also warms the device: CUDA context, kernels).
-        pairs = zip(
-            loader(store, processor, args, None),
-            loader(store, processor, args, args.device),
-            strict=True,
-        )
-        checks = [
-            compare(a, b, levels, args.device)
-            for a, b in itertools.islice(pairs, args.check_batches)
-        ]
-        # Each distinct image once per batch (expanded on the device): the same batches.
-        pairs = zip(
-            loader(store, processor, args, None),
-            expanded(loader(store, processor, args, args.device, distinct=True)),
-            strict=True,
-        )
-        checks += [
-            compare(a, b, levels, args.device)
-            for a, b in itertools.islice(pairs, args.check_batches)
-        ]
-        del pairs
-
         makers = {
             "workers": (lambda: loader(store, processor, args, None), None),
             "device": (lambda: loader(store, processor, args, args.device), args.device),
@@ -170,6 +148,16 @@ def main() -> int:
                 args.device,
             ),
         }
+        # Equality first (this also warms the device: CUDA context, kernels): each device
+        # path's first batches against the workers' (distinct: expanded on the device).
+        checks = [
+            compare(a, b, levels, args.device)
+            for name in ("device", "device_distinct")
+            for a, b in itertools.islice(
+                zip(makers["workers"][0](), makers[name][0](), strict=True), args.check_batches
+            )
+        ]
+
         runs: dict[str, list[float]] = {name: [] for name in makers}
         for _ in range(args.reps):  # interleaved: drift hits all alike
             for name, (make, device) in makers.items():

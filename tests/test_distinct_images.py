@@ -99,12 +99,10 @@ def test_the_vision_tower_once_per_distinct_image(grpo, small_processor):
     ds = mmstore.RolloutDataset(grpo, small_processor, dtype=torch.float32, shuffle=False)
     loader = mmstore.RolloutLoader(ds, 4, distinct_images=True)
     batch = next(iter(loader))
-    assert (
-        batch["pixel_values"].shape[0] < mmstore.expand_images(dict(batch))["pixel_values"].shape[0]
-    )
+    plain = mmstore.expand_images(dict(batch))
+    assert batch["pixel_values"].shape[0] < plain["pixel_values"].shape[0]
     with torch.no_grad():
         once = model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
-        plain = mmstore.expand_images(dict(batch))
         every = model.get_image_features(plain["pixel_values"], plain["image_grid_thw"])
         gathered = [once.pooler_output[i] for i in batch["image_index"].tolist()]
         assert len(gathered) == len(every.pooler_output)
