@@ -219,7 +219,9 @@ class DevicePreprocessor:
     def process(self, entry: PendingImage) -> dict[str, torch.Tensor]:
         """The processor on the device: floats there in the train dtype, integers on the CPU."""
         pixels = entry.pixels.to(self.device, non_blocking=entry.pixels.is_pinned())
-        out = self.family.run_processor([pixels], device=self.device, return_tensors="pt")
+        out = self.family.run_processor(
+            [pixels], cast_to=self.dtype, device=self.device, return_tensors="pt"
+        )
         tensors: dict[str, torch.Tensor] = {}
         for key in self.family.image_inputs:
             value = torch.as_tensor(out[key])

@@ -218,7 +218,7 @@ class Materializer:
         # A torchvision processor takes the decoded tensor as is; a PIL one, a PIL image.
         decode = decode_rgb_tensor if self.adapter.takes_tensors else decode_rgb
         image = decode(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
-        return cast_floats(self.adapter.process([image]), self.dtype)
+        return self.adapter.process([image], self.dtype)
 
     def check_ref(self, ref: ImageRef, where: dict[str, Any]) -> None:
         """Refuse a ref laid out for another processor, or at a URI nobody trusts."""

@@ -28,9 +28,16 @@ def test_speed_benchmark_smoke():
 
     result = bench_speed.run(scale=0.05, reps=1)
     assert result["direction"] == "every ratio: higher = mmstore better"
-    for key in ("torchvision_over_limit", "torchvision_over_tensor_limit", "torchvision_over_pil"):
+    for key in (
+        "torchvision_over_limit",
+        "torchvision_over_tensor_limit",
+        "torchvision_over_cast_inside_limit",
+        "torchvision_over_limit_at_once",
+        "torchvision_over_pil",
+    ):
         assert result["distinct"][key] > 0
     grpo = result["grpo8"]
+    assert grpo["over_limit_at_once"] > 0 and grpo["distinct_over_limit_at_once"] > 0
     # Each distinct image processed once on the node, however samples fell on workers/ranks,
     # and every image of every sample counted, whichever form the batches took.
     for mode, reps in grpo["node_cache_per_rep"].items():
@@ -41,6 +48,9 @@ def test_speed_benchmark_smoke():
     # loader's CPU per image cannot be below processing each distinct image once.
     cpu = result["distinct"]["cpu_seconds_per_image"]
     assert cpu["mmstore_torchvision"] > 0.5 * cpu["limit_torchvision_tensor"] > 0
+    # The limit at once counts its forked processes' CPU: the same work as the one-process
+    # limit with the cast inside, so about the same CPU per image, never near none.
+    assert cpu["limit_torchvision_at_once"] > 0.5 * cpu["limit_torchvision_cast_inside"] > 0
     assert 0 < grpo["cpu_limit_over_mmstore"] < 16
     assert 0 < grpo["cpu_limit_over_distinct"] < 16
     assert "GRPO-8" in bench_speed.table(result) and "CPU s/image" in bench_speed.table(result)

@@ -17,6 +17,7 @@ loader, collate and the vLLM integration ask the family.
 
 from __future__ import annotations
 
+import copy
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -237,16 +238,30 @@ class Family(ABC):
         (channels first) as they come from torchvision's decoder, with no PIL round trip."""
         return getattr(self.image_processor, "backend", None) == "torchvision"
 
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        """Run the real image processor on ``images``; the model's image tensors, numpy."""
-        out = self.run_processor(images)
-        return {key: np.asarray(out[key]) for key in self.image_inputs}
+    def process(self, images: Sequence[Any], dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Run the real image processor on ``images``: the model's image tensors, numpy; with
+        ``dtype``, torch tensors whose floats are in ``dtype`` (integers kept as they are)."""
+        out = self.select_outputs(self.run_processor(images, cast_to=dtype))
+        if dtype is None:
+            return {key: np.asarray(value) for key, value in out.items()}
+        from .._materialize import cast_floats
 
-    def run_processor(self, images: Sequence[Any], **overrides: Any) -> Mapping[str, Any]:
+        return cast_floats(out, dtype)
+
+    def select_outputs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        """The model's image tensors of one processor output, as the processor made them;
+        families fix integer dtypes here, or refuse an output they cannot lay out."""
+        return {key: out[key] for key in self.image_inputs}
+
+    def run_processor(
+        self, images: Sequence[Any], *, cast_to: torch.dtype | None = None, **overrides: Any
+    ) -> Mapping[str, Any]:
         """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors).
 
         ``overrides`` replace call arguments of :meth:`processor_kwargs` (the device stage
         passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
+        ``cast_to``: a torchvision backend casts its floats to this dtype as soon as it has
+        normalized them (:func:`_casting_after_normalize`); other backends ignore it.
         """
         if self.image_processor is None:
             raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
@@ -255,7 +270,10 @@ class Family(ABC):
             # Our tensors are channels first; transformers would guess, and a 3- or
             # 4-pixel-wide image looks like channels last to it.
             kwargs["input_data_format"] = "channels_first"
-        return self.image_processor(images=list(images), **kwargs)
+        processor = self.image_processor
+        if cast_to is not None and self.takes_tensors:
+            processor = _casting_after_normalize(processor, cast_to)
+        return processor(images=list(images), **kwargs)
 
     def processor_kwargs(self) -> dict[str, Any]:
         return {"return_tensors": self.tensor_type}
@@ -371,6 +389,28 @@ class Family(ABC):
             start = pos + 1
         out.extend(token_list[start:])
         return out, refs
+
+
+def _casting_after_normalize(image_processor: Any, dtype: torch.dtype) -> Any:
+    """A shallow copy of a torchvision ``image_processor`` that casts its floats to ``dtype``
+    right after ``rescale_and_normalize``.
+
+    Every family's processor only moves data after normalizing (patch shuffles, the temporal
+    copy of Qwen-VL and GLM-4V, Pixtral's zero padding), and a cast commutes with moving
+    data: the output is bit for bit the processor's cast afterwards (tested for every
+    family), but the moves carry half the bytes, and Qwen-VL's temporal copy doubles them
+    after the cast rather than before: 26 against 31 ms for a 1080p screenshot here. A copy
+    per call, so that the caller's processor is never changed and later changes to it count.
+    """
+    processor = copy.copy(image_processor)
+    normalize = processor.rescale_and_normalize
+
+    def rescale_and_normalize(*args: Any, **kwargs: Any) -> Any:
+        images = normalize(*args, **kwargs)
+        return images.to(dtype) if images.is_floating_point() else images
+
+    processor.rescale_and_normalize = rescale_and_normalize
+    return processor
 
 
 @lru_cache(maxsize=4096)

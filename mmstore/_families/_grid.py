@@ -11,7 +11,7 @@ processor parameters, a ``smart_resize`` into a pixel budget, M-RoPE positions.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import MethodType, SimpleNamespace
 from typing import Any, ClassVar
 
@@ -80,10 +80,10 @@ class GridFamily(Family):
         side = self.layout.param("patch_size") * self.layout.param("merge_size")
         return side, side
 
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        out = super().process(images)
-        out["image_grid_thw"] = out["image_grid_thw"].astype(np.int64)
-        return out
+    def select_outputs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        selected = super().select_outputs(out)
+        selected["image_grid_thw"] = np.asarray(selected["image_grid_thw"]).astype(np.int64)
+        return selected
 
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
         t, h, w = (int(x) for x in np.asarray(outputs["image_grid_thw"]).reshape(-1, 3)[0])

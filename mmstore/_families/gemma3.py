@@ -32,7 +32,7 @@ inside a text sentence) is refused: off by default, and its layout is not built 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -175,8 +175,7 @@ class Gemma3(Family):
 
     # -- the processor ------------------------------------------------------------------
 
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        out = self.run_processor(images)
+    def select_outputs(self, out: Mapping[str, Any]) -> dict[str, Any]:
         # Pan-and-scan was refused when the adapter was built; a processor switched to it
         # since would add crops the spans do not hold.
         crops = np.asarray(out.get("num_crops", [0]))
@@ -185,7 +184,7 @@ class Gemma3(Family):
                 f"{type(self.image_processor).__name__} produced pan-and-scan crops "
                 f"{crops.tolist()}: the stored spans hold one image sequence each"
             )
-        return {"pixel_values": np.asarray(out["pixel_values"])}
+        return {"pixel_values": out["pixel_values"]}
 
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
         return int(outputs["pixel_values"].shape[0]) * (self.layout.param("image_seq_length") + 4)

@@ -19,7 +19,7 @@ processor on every call, and so does :meth:`Pixtral.processor_kwargs`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -191,10 +191,10 @@ class Pixtral(Family):
         # What PixtralProcessor._process_images passes: resize to multiples of patch * merge.
         return {"return_tensors": self.tensor_type, "patch_size": self.token_side}
 
-    def process(self, images: Sequence[Any]) -> dict[str, np.ndarray]:
-        out = super().process(images)
-        out["image_sizes"] = out["image_sizes"].astype(np.int64)
-        return out
+    def select_outputs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        selected = super().select_outputs(out)
+        selected["image_sizes"] = np.asarray(selected["image_sizes"]).astype(np.int64)
+        return selected
 
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
         h, w = (int(x) for x in np.asarray(outputs["image_sizes"]).reshape(-1, 2)[0])
