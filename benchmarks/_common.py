@@ -68,15 +68,27 @@ def write_workload(
 
 
 def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, dict[str, Any]]:
-    """Run each timing function ``reps`` times, A B A B …; median and spread of each."""
+    """Run each timing function ``reps`` times, A B A B …; median and spread of each, and
+    every repetition's value in order (``values``: for :func:`paired_ratio`)."""
     values: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for key, fn in fns.items():
             values[key].append(fn())
     return {
-        k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+        k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v), "values": v}
         for k, v in values.items()
     }
+
+
+def paired_ratio(figures: dict[str, dict[str, Any]], a: str, b: str) -> dict[str, float]:
+    """Median and spread of ``a / b`` taken within each repetition of :func:`interleaved`.
+
+    The two ran minutes apart at most, so a ratio of one repetition is free of the machine's
+    slow and fast phases (on 2026-12-01 the same limit measured 40 to 53 images/s within one
+    run), which a ratio of the two medians is not.
+    """
+    ratios = [x / y for x, y in zip(figures[a]["values"], figures[b]["values"], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 @contextmanager

@@ -53,7 +53,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from benchmarks import bench_write
-from benchmarks._common import WORKLOADS, interleaved, single_threaded
+from benchmarks._common import WORKLOADS, interleaved, paired_ratio, single_threaded
 from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rate
 from mmstore._media import decode_rgb_tensor
 
@@ -193,24 +193,23 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "mmstore_pil": lambda: ours("pil"),
     }
     figures = interleaved(cpu.timing(runs), reps)
-    med = {k: v["median"] for k, v in figures.items()}
     return {
         "images_per_s": figures,
-        "torchvision_over_limit": med["mmstore_torchvision"] / med["limit_torchvision"],
-        "torchvision_over_tensor_limit": (
-            med["mmstore_torchvision"] / med["limit_torchvision_tensor"]
+        **ratios(
+            figures,
+            torchvision_over_limit=("mmstore_torchvision", "limit_torchvision"),
+            torchvision_over_tensor_limit=("mmstore_torchvision", "limit_torchvision_tensor"),
+            torchvision_over_cast_inside_limit=(
+                "mmstore_torchvision",
+                "limit_torchvision_cast_inside",
+            ),
+            torchvision_over_limit_at_once=("mmstore_torchvision", "limit_torchvision_at_once"),
+            torchvision_over_naive_pil=("mmstore_torchvision", "naive_pil"),
+            torchvision_over_naive_torchvision=("mmstore_torchvision", "naive_torchvision"),
+            pil_over_limit=("mmstore_pil", "limit_pil"),
+            pil_over_naive_pil=("mmstore_pil", "naive_pil"),
+            torchvision_over_pil=("mmstore_torchvision", "mmstore_pil"),
         ),
-        "torchvision_over_cast_inside_limit": (
-            med["mmstore_torchvision"] / med["limit_torchvision_cast_inside"]
-        ),
-        "torchvision_over_limit_at_once": (
-            med["mmstore_torchvision"] / med["limit_torchvision_at_once"]
-        ),
-        "torchvision_over_naive_pil": med["mmstore_torchvision"] / med["naive_pil"],
-        "torchvision_over_naive_torchvision": med["mmstore_torchvision"] / med["naive_torchvision"],
-        "pil_over_limit": med["mmstore_pil"] / med["limit_pil"],
-        "pil_over_naive_pil": med["mmstore_pil"] / med["naive_pil"],
-        "torchvision_over_pil": med["mmstore_torchvision"] / med["mmstore_pil"],
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
         "cpu_limit_over_torchvision": (
             cpu.median("limit_torchvision") / cpu.median("mmstore_torchvision")
@@ -286,14 +285,16 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     }
     runs.update({mode: functools.partial(ours, mode) for mode in GRPO_MODES})
     figures = interleaved(cpu.timing(runs), reps)
-    med = {k: v["median"] for k, v in figures.items()}
     return {
         "images_per_s": figures,
-        "over_limit": med["plain"] / med["limit"],
-        "distinct_over_limit": med["distinct"] / med["limit"],
-        "distinct_expanded_on_cpu_over_limit": med["distinct_expanded_on_cpu"] / med["limit"],
-        "over_limit_at_once": med["plain"] / med["limit_at_once"],
-        "distinct_over_limit_at_once": med["distinct"] / med["limit_at_once"],
+        **ratios(
+            figures,
+            over_limit=("plain", "limit"),
+            distinct_over_limit=("distinct", "limit"),
+            distinct_expanded_on_cpu_over_limit=("distinct_expanded_on_cpu", "limit"),
+            over_limit_at_once=("plain", "limit_at_once"),
+            distinct_over_limit_at_once=("distinct", "limit_at_once"),
+        ),
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
         "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("plain"),
         "cpu_limit_over_distinct": cpu.median("limit") / cpu.median("distinct"),
@@ -327,47 +328,69 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
     return result
 
 
+def ratios(figures: dict[str, dict[str, Any]], **pairs: tuple[str, str]) -> dict[str, Any]:
+    """Each named ratio of two timings (images/s over images/s: higher = mmstore better) as
+    the ratio of their medians, and under ``paired`` as the median of each repetition's."""
+    out: dict[str, Any] = {
+        name: figures[a]["median"] / figures[b]["median"] for name, (a, b) in pairs.items()
+    }
+    out["paired"] = {name: paired_ratio(figures, a, b) for name, (a, b) in pairs.items()}
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     d, g, w = result["distinct"], result["grpo8"], result["write"]
     rows = [
-        ("loader tv / limit tv, distinct", d["torchvision_over_limit"], ">= 0.9"),
-        ("loader tv / limit tv with TorchCodec decode", d["torchvision_over_tensor_limit"], ""),
+        ("loader tv / limit tv, distinct", d, "torchvision_over_limit", ">= 0.9"),
+        ("loader tv / limit tv with TorchCodec decode", d, "torchvision_over_tensor_limit", ""),
         (
             "loader tv / limit tv with TorchCodec decode, bf16 cast inside",
-            d["torchvision_over_cast_inside_limit"],
+            d,
+            "torchvision_over_cast_inside_limit",
             "",
         ),
         (
             "loader tv / that work in 2 processes at once (measured, not assumed, scaling)",
-            d["torchvision_over_limit_at_once"],
+            d,
+            "torchvision_over_limit_at_once",
             "",
         ),
-        ("loader tv / naive PIL Dataset", d["torchvision_over_naive_pil"], ">= 1.5"),
-        ("loader tv / naive tv Dataset", d["torchvision_over_naive_torchvision"], ">= 1.2"),
-        ("loader PIL / limit PIL, distinct", d["pil_over_limit"], ""),
-        ("loader PIL / naive PIL Dataset", d["pil_over_naive_pil"], ""),
-        ("loader tv / loader PIL", d["torchvision_over_pil"], ""),
-        ("GRPO-8 2x2 loader / limit", g["over_limit"], ">= 6"),
-        ("GRPO-8 2x2 loader, each image once / limit", g["distinct_over_limit"], ">= 6"),
+        ("loader tv / naive PIL Dataset", d, "torchvision_over_naive_pil", ">= 1.5"),
+        ("loader tv / naive tv Dataset", d, "torchvision_over_naive_torchvision", ">= 1.2"),
+        ("loader PIL / limit PIL, distinct", d, "pil_over_limit", ""),
+        ("loader PIL / naive PIL Dataset", d, "pil_over_naive_pil", ""),
+        ("loader tv / loader PIL", d, "torchvision_over_pil", ""),
+        ("GRPO-8 2x2 loader / limit", g, "over_limit", ">= 6"),
+        ("GRPO-8 2x2 loader, each image once / limit", g, "distinct_over_limit", ">= 6"),
         (
             "GRPO-8 2x2 loader, each image once, expanded on the CPU / limit",
-            g["distinct_expanded_on_cpu_over_limit"],
+            g,
+            "distinct_expanded_on_cpu_over_limit",
             "",
         ),
-        ("GRPO-8 2x2 loader / limit at once", g["over_limit_at_once"], ""),
-        ("GRPO-8 each image once / limit at once", g["distinct_over_limit_at_once"], ""),
-        ("CPU s/image: limit tv / loader tv, distinct", d["cpu_limit_over_torchvision"], ""),
-        ("CPU s/image: limit / GRPO-8 2x2 loader", g["cpu_limit_over_mmstore"], ""),
-        ("CPU s/image: limit / GRPO-8 each image once", g["cpu_limit_over_distinct"], ""),
-        ("plain+fsync write time / mmstore", w["plain_fsync_over_mmstore"], ">= 0.67"),
+        ("GRPO-8 2x2 loader / limit at once", g, "over_limit_at_once", ""),
+        ("GRPO-8 each image once / limit at once", g, "distinct_over_limit_at_once", ""),
+        ("CPU s/image: limit tv / loader tv, distinct", d, "cpu_limit_over_torchvision", ""),
+        ("CPU s/image: limit / GRPO-8 2x2 loader", g, "cpu_limit_over_mmstore", ""),
+        ("CPU s/image: limit / GRPO-8 each image once", g, "cpu_limit_over_distinct", ""),
+        ("plain+fsync write time / mmstore", w, "plain_fsync_over_mmstore", ">= 0.67"),
     ]
+
+    def paired(section: dict[str, Any], key: str) -> str:
+        stats = section.get("paired", {}).get(key)
+        return f"{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})" if stats else ""
+
     lines = [
         f"Scale {result['scale']}, {result['reps']} reps, {result['cores']} cores. "
-        "Every figure: higher = mmstore better (medians; spread in the JSON).",
+        "Every figure: higher = mmstore better. Value: ratio of the two medians; paired: "
+        "median (min-max) of the ratio within each repetition.",
         "",
-        "| figure | value | issue 14 target |",
-        "|---|---|---|",
-        *(f"| {name} | {value:.2f} | {target} |" for name, value, target in rows),
+        "| figure | value | paired | issue 14 target |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {section[key]:.2f} | {paired(section, key)} | {target} |"
+            for name, section, key, target in rows
+        ),
         "",
         f"GRPO-8 node cache: {g['distinct_images']} distinct images of {g['images']}; "
         f"per repetition (hits, misses): "

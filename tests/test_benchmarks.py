@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import run
 
 
@@ -38,6 +40,10 @@ def test_speed_benchmark_smoke():
         assert result["distinct"][key] > 0
     grpo = result["grpo8"]
     assert grpo["over_limit_at_once"] > 0 and grpo["distinct_over_limit_at_once"] > 0
+    # Every ratio also within each repetition; with one repetition, that ratio is the value.
+    for section in (result["distinct"], grpo):
+        paired = section["paired"]
+        assert paired and all(s["median"] == pytest.approx(section[k]) for k, s in paired.items())
     # Each distinct image processed once on the node, however samples fell on workers/ranks,
     # and every image of every sample counted, whichever form the batches took.
     for mode, reps in grpo["node_cache_per_rep"].items():
