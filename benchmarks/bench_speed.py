@@ -95,6 +95,18 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _distinct_paths(paths: list[list[str]]) -> list[str]:
+    """The workload's distinct image files, each once, sorted."""
+    return sorted({p for ps in paths for p in ps})
+
+
+def _worker_work(adapter: Any, path: str) -> None:
+    """A loader worker's work on one image of a torchvision processor: TorchCodec decode to
+    a uint8 tensor, then the processor casting to bf16 inside (``Family.process``)."""
+    with open(path, "rb") as f:
+        adapter.process([decode_rgb_tensor(f.read())], torch.bfloat16)
+
+
 def _limit(
     paths: list[list[str]], proc: Any, *, tensors: bool = False, cast_inside: bool = False
 ) -> tuple[float, int]:
@@ -112,17 +124,16 @@ def _limit(
     adapter = mmstore.adapter_for(proc)
 
     def one(path: str) -> None:
-        if tensors or cast_inside:
+        if cast_inside:
+            _worker_work(adapter, path)
+        elif tensors:
             with open(path, "rb") as f:
-                image: Any = decode_rgb_tensor(f.read())
-            if cast_inside:
-                adapter.process([image], torch.bfloat16)
-            else:
-                proc(images=[image], return_tensors="pt", input_data_format="channels_first")
+                image = decode_rgb_tensor(f.read())
+            proc(images=[image], return_tensors="pt", input_data_format="channels_first")
         else:
             proc(images=[Image.open(path).convert("RGB")], return_tensors="pt")
 
-    distinct = sorted({p for ps in paths for p in ps})
+    distinct = _distinct_paths(paths)
     with single_threaded():
         one(distinct[0])  # the first call's one-time costs (imports, allocator) are no image's
         start = time.perf_counter()
@@ -136,16 +147,15 @@ def _limit_at_once(paths: list[list[str]], proc: Any) -> tuple[float, int]:
     """Images/s of ``WORKERS`` processes running at once, each single-threaded and doing only
     a worker's work per image (TorchCodec decode, the processor with the cast inside) on its
     share of the distinct images: the limit with the machine's own contention. :func:`_limit`
-    assumes the cores scale perfectly; this VM's two vCPUs gave 1.5-1.9x one of them, not
-    2x, measured this way on 2026-12-01."""
+    assumes the cores scale perfectly; this VM's two vCPUs gave 1.46-1.98x one of them, not
+    2x, measured this way on 2026-12-01 (the two full runs of speed-5)."""
     adapter = mmstore.adapter_for(proc)
-    distinct = sorted({p for ps in paths for p in ps})
+    distinct = _distinct_paths(paths)
 
     def work(share: list[str]) -> None:
         torch.set_num_threads(1)  # forked: as a DataLoader worker (and see _rank)
         for path in share:
-            with open(path, "rb") as f:
-                adapter.process([decode_rgb_tensor(f.read())], torch.bfloat16)
+            _worker_work(adapter, path)
 
     with single_threaded():
         work(distinct[:1])  # one-time costs in the parent, which the workers inherit
@@ -298,7 +308,7 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
         "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("plain"),
         "cpu_limit_over_distinct": cpu.median("limit") / cpu.median("distinct"),
-        "distinct_images": len({p for ps in paths for p in ps}),
+        "distinct_images": len(_distinct_paths(paths)),
         "images": sum(len(ps) for ps in paths),
         "node_cache_per_rep": counts,
     }
