@@ -1,5 +1,5 @@
 """DataLoader worker processes: their setup (torch threads) and the stream they run
-(batches in reusable shared buffers, typed errors carried whole)."""
+(batches in reusable shared buffers, small tensors inline, typed errors carried whole)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from ._buffers import BatchBuffers
 
 RAISED = "_raised"  # a worker's batch stream ended in this error
+# Tensors below this travel inside the pickle rather than each in shared memory of its own.
+# Measured here per tensor sent (main + worker CPU): 16 KiB 0.4 ms inline against 1.0 ms
+# in shared memory, 256 KiB 0.9 against 1.5; at 1 MiB shared memory wins (2.5 against 3.2).
+INLINE_BYTES = 256 << 10
 
 
 def check_worker_threads(threads: int | None, context: Any) -> int:
@@ -68,9 +72,49 @@ class WorkerStream(IterableDataset[dict[str, Any]]):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         batches = iter(self.stream) if self.buffers is None else self.buffers.labelled(self.stream)
         try:
-            yield from batches
+            for batch in batches:
+                yield inline_small(batch)
         except MmstoreError as exc:
             yield {RAISED: exc}
+
+
+def inline_small(value: Any) -> Any:
+    """``value`` (a batch) with its small tensors wrapped to travel inline (:class:`Inline`).
+
+    A worker sends each tensor of a batch through shared memory of its own: a segment
+    created, filled, and its file descriptor handed to the main process over a socket. For a
+    batch's dozen small tensors (token ids, masks, grids, rewards) that handshake costs far
+    more than their bytes (about 4 ms of CPU per batch here, against 0.8 ms inline).
+    """
+    if isinstance(value, torch.Tensor):
+        small = value.layout == torch.strided and value.device.type == "cpu"
+        return Inline(value) if small and value.nbytes < INLINE_BYTES else value
+    if type(value) is dict:
+        return {key: inline_small(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(inline_small(item) for item in value)
+    return value
+
+
+class Inline:
+    """A tensor that pickles as its bytes; unpickled, it is a plain tensor again."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        tensor = self.tensor.detach().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return (_tensor_from_bytes, (data, tensor.dtype, tuple(tensor.shape)))
+
+
+def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    # A bytearray: a writable copy the tensor owns (the pickle's bytes are read-only).
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def reraise(batch: dict[str, Any]) -> None:

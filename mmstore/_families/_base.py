@@ -22,7 +22,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -60,7 +60,7 @@ class Layout:
             tuple(sorted((k, int(v)) for k, v in token_ids.items())),
         )
 
-    @property
+    @cached_property  # asked for several times per image read; the layout is frozen
     def fingerprint(self) -> str:
         # family + layout parameters only. For Qwen-VL this is byte for byte the canonical
         # JSON of the first release, so stored fingerprints never change.
