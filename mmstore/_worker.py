@@ -105,7 +105,7 @@ class Inline:
         self.tensor = tensor
 
     def __reduce__(self) -> tuple[Any, ...]:
-        tensor = self.tensor.detach().contiguous()
+        tensor = self.tensor.detach().resolve_conj().resolve_neg().contiguous()
         data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         return (_tensor_from_bytes, (data, tensor.dtype, tuple(tensor.shape)))
 

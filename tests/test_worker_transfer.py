@@ -36,13 +36,18 @@ DTYPES = [
     dtype=st.sampled_from(DTYPES),
     shape=st.lists(st.integers(0, 5), max_size=3),
     transpose=st.booleans(),
+    lazy_conj=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_an_inline_tensor_unpickles_equal_and_owns_its_memory(dtype, shape, transpose, seed):
+def test_an_inline_tensor_unpickles_equal_and_owns_its_memory(
+    dtype, shape, transpose, lazy_conj, seed
+):
     generator = torch.Generator().manual_seed(seed)
     tensor = (torch.randn(shape, generator=generator, dtype=torch.float64) * 50).to(dtype)
     if transpose and tensor.dim() >= 2:
         tensor = tensor.transpose(0, 1)  # not contiguous: sent as its values, in order
+    if lazy_conj and dtype.is_complex:
+        tensor = tensor.conj()  # a view with the conjugate bit set: sent as its values
     got = pickle.loads(pickle.dumps(_worker.Inline(tensor)))
     assert type(got) is torch.Tensor
     assert got.dtype == dtype and got.shape == tensor.shape
