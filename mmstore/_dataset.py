@@ -208,7 +208,10 @@ class RolloutDataset(IterableDataset[Sample]):
                 shuffle=self.shuffle,
             )
             mine = order[[p - lo for p in wanted[i:j]]]
-            materializer.note_window(table, [u.num_rows for u in plan.windows[window]], mine)
+            units = plan.windows[window]
+            materializer.note_window(
+                table, [u.num_rows for u in units], mine, [u.neighbours for u in units]
+            )
             rows = table.take(mine)
             self._read_ahead(rows, materializer)
             try:

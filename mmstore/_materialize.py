@@ -29,6 +29,7 @@ from ._rowcheck import CheckedRow, RowWindow, family_checker
 
 if TYPE_CHECKING:
     from ._families import Family
+    from ._scan import Neighbours
     from ._store import Store
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
@@ -129,7 +130,11 @@ class Materializer:
         )
 
     def note_window(
-        self, table: pa.Table, unit_rows: Sequence[int], mine: np.ndarray | None = None
+        self,
+        table: pa.Table,
+        unit_rows: Sequence[int],
+        mine: np.ndarray | None = None,
+        neighbours: Sequence[Neighbours] | None = None,
     ) -> None:
         """Learn which images of a window (``table``, in file order) to publish on a miss:
         those :func:`wanted_elsewhere` finds."""
@@ -137,7 +142,7 @@ class Materializer:
             return
         if len(self._publish) > _MAX_SHARED:  # a bound: forget the oldest windows' hashes
             self._publish.clear()
-        self._publish |= wanted_elsewhere(table, unit_rows, mine)
+        self._publish |= wanted_elsewhere(table, unit_rows, mine, neighbours)
 
     def checked_sample(self, row: CheckedRow) -> Sample:
         """A row that passed the reader's checks -> tensors, images materialized."""
@@ -245,7 +250,10 @@ class Materializer:
 
 
 def wanted_elsewhere(
-    table: pa.Table, unit_rows: Sequence[int], mine: np.ndarray | None = None
+    table: pa.Table,
+    unit_rows: Sequence[int],
+    mine: np.ndarray | None = None,
+    neighbours: Sequence[Neighbours] | None = None,
 ) -> set[str]:
     """The image hashes of one window (``table``: its units' rows in file order, ``unit_rows``
     rows each) that another process of the node may ask for, besides this one:
@@ -253,7 +261,9 @@ def wanted_elsewhere(
     - those shown by a row another DataLoader worker builds (``mine``: the rows, by index,
       this worker builds; None where that is unknown: those several rows show);
     - those of a GRPO group at a unit's first or last row: the group may go on in the
-      neighbouring unit (row group), which another rank, or a later window, reads.
+      neighbouring unit (row group), which another rank, or a later window, reads. Unless
+      that unit's group ids (``neighbours``, per unit: the range of the row group before
+      and after, from the footer's statistics; None: unknown) cannot hold the group's.
 
     A group that is all this worker's, inside one unit, is served by the worker's own cache:
     publishing its image would cost a write to /dev/shm nobody reads back.
@@ -276,19 +286,24 @@ def wanted_elsewhere(
         elsewhere[:] = True
         elsewhere[mine] = False
         wanted = set()
-    for start, stop in _unit_bounds(unit_rows):
-        for edge, step in ((start, 1), (stop - 1, -1)):
+    for unit, start, stop in _unit_bounds(unit_rows):
+        around = neighbours[unit] if neighbours is not None else (None, None)
+        for (edge, step), beyond in zip(((start, 1), (stop - 1, -1)), around, strict=True):
+            group = groups[edge]
+            if group is None or (beyond is not None and not beyond[0] <= group <= beyond[1]):
+                continue  # no group, or none of its id in the neighbouring row group
             row = edge  # the edge row's block: rows of its group_id, run from the edge
-            while start <= row < stop and groups[row] is not None and groups[row] == groups[edge]:
+            while start <= row < stop and groups[row] == group:
                 elsewhere[row] = True
                 row += step
     wanted.update(hashes[elsewhere[rows]].tolist())
     return {h for h in wanted if isinstance(h, str)}
 
 
-def _unit_bounds(unit_rows: Sequence[int]) -> Iterator[tuple[int, int]]:
+def _unit_bounds(unit_rows: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(unit index, first row, end row) of each unit that has rows."""
     start = 0
-    for count in unit_rows:
+    for unit, count in enumerate(unit_rows):
         if count:
-            yield start, start + count
+            yield unit, start, start + count
         start += count

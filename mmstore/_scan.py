@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -42,6 +42,15 @@ class WorkUnit:
     num_rows: int
     run_id: str
     step: int
+    # The group_id range (min, max: Parquet statistics) of the row groups just before and
+    # just after this one in its file; None where there is none, or no statistics. A GRPO
+    # group at this unit's edge can go on over there only if its id lies in that range
+    # (:func:`._materialize.wanted_elsewhere`). A hint for the node cache, never for order.
+    neighbours: Neighbours = field(default=(None, None), compare=False, repr=False)
+
+
+GroupRange = tuple[str, str]  # (smallest, largest) group_id of a row group
+Neighbours = tuple[GroupRange | None, GroupRange | None]  # (before, after) a unit
 
 
 @dataclass(frozen=True)
@@ -73,12 +82,34 @@ def take_snapshot(
     for path in files:
         run_id, step = partition_of(path)
         meta = read_footer(store, path)
+        kept = [i for i in range(meta.num_row_groups) if meta.row_group(i).num_rows]
+        ranges = [None, *(_group_range(meta.row_group(i)) for i in kept), None]
         units.extend(
-            WorkUnit(path, i, meta.row_group(i).num_rows, run_id, step)
-            for i in range(meta.num_row_groups)
-            if meta.row_group(i).num_rows
+            WorkUnit(
+                path,
+                i,
+                meta.row_group(i).num_rows,
+                run_id,
+                step,
+                neighbours=(ranges[k], ranges[k + 2]),
+            )
+            for k, i in enumerate(kept)
         )
     return Snapshot(tuple(files), tuple(units))
+
+
+def _group_range(row_group: pq.RowGroupMetaData) -> GroupRange | None:
+    """A row group's smallest and largest group_id, from its statistics; None without."""
+    for j in range(row_group.num_columns):
+        column = row_group.column(j)
+        if column.path_in_schema != "group_id":
+            continue
+        stats = column.statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        low, high = stats.min, stats.max
+        return (low, high) if isinstance(low, str) and isinstance(high, str) else None
+    return None
 
 
 # rollouts/run_id=<run>/step=<step>/[...]/<name>.parquet: what Store.rollout_files lists.

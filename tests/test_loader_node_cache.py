@@ -150,6 +150,57 @@ def test_wanted_elsewhere():
     assert wanted_elsewhere(pa.table({"x": [1]}), [1], None) == set()
 
 
+def test_wanted_elsewhere_reads_the_neighbouring_row_groups_ids():
+    table = _window(
+        ["a", "a", "a", "b", "b", "c", "c", None],
+        [["A"], ["A"], ["A"], ["B"], ["B"], ["C1", "C2"], ["C2"], ["D"]],
+    )
+    rows = np.arange(8)
+    # The row group before unit 0 holds ids x..z: group a cannot go on there. Unknown after
+    # unit 0 and before unit 1: b is published as before.
+    assert wanted_elsewhere(table, [4, 4], rows, [(("x", "z"), None), (None, None)]) == {"B"}
+    # Ranges that can hold the edge's id (bounds included) count as "may go on".
+    assert wanted_elsewhere(table, [4, 4], rows, [(("a", "a"), ("b", "c")), (None, None)]) == {
+        "A",
+        "B",
+    }
+    # b's id outside both neighbours' ranges: b is this window's alone.
+    around = [(("x", "z"), ("c", "d")), (("0", "a"), ("d", "e"))]
+    assert wanted_elsewhere(table, [4, 4], rows, around) == set()
+    # Another worker's rows still count, whatever the neighbours.
+    assert wanted_elsewhere(table, [4, 4], rows[:-2], around) == {"C2", "D"}
+
+
+def test_groups_that_cannot_go_on_in_the_next_row_group_are_not_published(tmp_path):
+    # Four groups of 8 in row groups of 16: g0 g1 | g2 g3. The footer's statistics say that
+    # g1 (end of the first) and g2 (start of the second) are not in the other row group, so
+    # only the file's first and last groups, whose neighbours are unknown, are published.
+    store, adapter, refs = grouped_store(tmp_path / "s", 4, 8, 16)
+    units = mmstore.RolloutDataset(store, processor()).snapshot.units
+    assert [u.neighbours for u in units] == [(None, ("g2", "g3")), (("g0", "g1"), None)]
+    directory = tmp_path / "node"
+    ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
+    got = list(mmstore.RolloutLoader(ds, batch_size=8, num_workers=2))
+    assert published(directory) == {node_key(directory, refs[i].hash, adapter) for i in (0, 3)}
+    assert sum(b["node_cache_misses"] for b in got) == 4
+
+
+def test_a_group_cut_by_row_groups_is_processed_once_across_ranks(tmp_path):
+    # Three groups of 8 in row groups of 12: g1 runs over both (rows 8-15), which two ranks
+    # read. The statistics show g1 in both row groups: its image is published once and the
+    # other rank takes it from the node cache.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 12)
+    units = mmstore.RolloutDataset(store, processor()).snapshot.units
+    assert [u.neighbours for u in units] == [(None, ("g1", "g2")), (("g0", "g1"), None)]
+    directory = tmp_path / "node"
+    got = [
+        b for rank in (0, 1) for b in batches(store, directory, rank=rank, world_size=2, workers=0)
+    ]
+    assert sum(b["node_cache_misses"] for b in got) == 3
+    assert sum(b["node_cache_hits"] for b in got) == 1
+    assert node_key(directory, refs[1].hash, adapter) in published(directory)
+
+
 def key_parts():
     return (str(torch.bfloat16), processor_digest(processor()))
 
