@@ -6,15 +6,15 @@ from __future__ import annotations
 import pickle
 
 import hypothesis.strategies as st
-import pytest
 import torch
 from hypothesis import given, settings
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
 from mmstore import _worker
 
-from .test_loader import write_steps
+# The buffer tests' store: batches with pixels large enough to take shared buffers.
+from .test_buffers import PROCESSOR
+from .test_buffers import stored as stored
 
 DTYPES = [
     torch.bool,
@@ -69,16 +69,6 @@ def test_only_small_cpu_tensors_are_inlined_however_deep():
     assert batch["a"] is small  # the batch itself is not changed
 
 
-PROCESSOR = Qwen2VLImageProcessor(max_pixels=1024 * 28 * 28)
-
-
-@pytest.fixture(scope="module")
-def stored(tmp_path_factory):
-    store = mmstore.Store.open(tmp_path_factory.mktemp("transfer") / "s", create=True)
-    write_steps(store, mmstore.adapter_for(PROCESSOR), steps=2, groups=2, group_size=4)
-    return store
-
-
 def _loader(store, workers):
     ds = mmstore.RolloutDataset(store, PROCESSOR, seed=3, node_cache_bytes=0)
     return mmstore.RolloutLoader(ds, batch_size=4, num_workers=workers)
@@ -87,7 +77,7 @@ def _loader(store, workers):
 def test_worker_batches_equal_batches_built_here(stored):
     here = list(_loader(stored, 0))
     sent = list(_loader(stored, 2))
-    assert len(sent) == len(here) == 4
+    assert len(sent) == len(here) == 12
     for got, want in zip(sent, here, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
