@@ -100,11 +100,17 @@ def _distinct_paths(paths: list[list[str]]) -> list[str]:
     return sorted({p for ps in paths for p in ps})
 
 
+def _decoded_tensor(path: str) -> Any:
+    """The image at ``path`` as the loader decodes it for a torchvision processor: TorchCodec
+    straight to a uint8 CHW tensor."""
+    with open(path, "rb") as f:
+        return decode_rgb_tensor(f.read())
+
+
 def _worker_work(adapter: Any, path: str) -> None:
     """A loader worker's work on one image of a torchvision processor: TorchCodec decode to
     a uint8 tensor, then the processor casting to bf16 inside (``Family.process``)."""
-    with open(path, "rb") as f:
-        adapter.process([decode_rgb_tensor(f.read())], torch.bfloat16)
+    adapter.process([_decoded_tensor(path)], torch.bfloat16)
 
 
 def _limit(
@@ -127,8 +133,7 @@ def _limit(
         if cast_inside:
             _worker_work(adapter, path)
         elif tensors:
-            with open(path, "rb") as f:
-                image = decode_rgb_tensor(f.read())
+            image = _decoded_tensor(path)
             proc(images=[image], return_tensors="pt", input_data_format="channels_first")
         else:
             proc(images=[Image.open(path).convert("RGB")], return_tensors="pt")
