@@ -87,7 +87,7 @@ class DeferredMaterializer(Materializer):
     def image(self, ref: ImageRef, where: dict[str, Any], sample: Sample) -> Any:
         """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
         self.check_ref(ref, where)
-        key = decoded_key(ref)
+        key = self.cache_key(ref)
         pending = self.cache.get(key)
         if pending is None:
             pending = self.guarded(ref, where, sample, lambda: self._decoded(ref, where))
@@ -95,6 +95,9 @@ class DeferredMaterializer(Materializer):
                 return self._placeholder(ref)
             self.cache.put(key, pending, pending.pixels.numel())
         return pending
+
+    def cache_key(self, ref: ImageRef) -> tuple[Any, ...]:
+        return decoded_key(ref)
 
     def _decoded(self, ref: ImageRef, where: dict[str, Any]) -> PendingImage:
         data = self.media.read_media(ref.uri, ref.hash)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ._cache import ByteLRU
+from ._cache import ByteLRU, WindowRetention
 from ._exceptions import InvalidArgumentError, LayoutMismatchError, MediaNotFoundError, MmstoreError
 from ._media import decode_rgb, decode_rgb_tensor
 from ._models import ImageRef
@@ -100,6 +100,7 @@ class Materializer:
         self.max_len = max_len
         # processed tensors by (hash, fingerprint); decoded images in a DeferredMaterializer
         self.cache: ByteLRU[Any] = ByteLRU(cache_bytes)
+        self.retention = WindowRetention()  # what the cache lets go once a window is done
         self.media: Any = store  # or a Prefetcher (._prefetch): same read_media, read ahead
         self.node_cache = node_cache
         # Everything besides hash and fingerprint that decides the pixels: the train dtype
@@ -116,8 +117,14 @@ class Materializer:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
         each checked first (:mod:`._rowcheck`): a bad row raises when it is reached."""
         window = self.window(table)
+        self.retention.begin(_image_hashes(table))
         for i in range(window.num_rows):
-            yield self.checked_sample(window.row(i))
+            row = window.row(i)
+            sample = self.checked_sample(row)
+            for ref in row.images:
+                if self.retention.used(ref.hash):
+                    self.cache.pop(self.cache_key(ref))
+            yield sample
 
     def window(self, table: pa.Table) -> RowWindow:
         """The reader's checks over ``table``'s rows, for this loader's processor."""
@@ -172,7 +179,7 @@ class Materializer:
     ) -> dict[str, torch.Tensor]:
         """One image's tensors (floats in the train dtype), from cache or the processor."""
         self.check_ref(ref, where)
-        key = (ref.hash, self.adapter.fingerprint)
+        key = self.cache_key(ref)
         outputs = self.cache.get(key)
         hit = outputs is not None
         if outputs is None:
@@ -193,6 +200,9 @@ class Materializer:
                 key, outputs, sum(t.numel() * t.element_size() for t in outputs.values())
             )
         return outputs
+
+    def cache_key(self, ref: ImageRef) -> tuple[Any, ...]:
+        return (ref.hash, self.adapter.fingerprint)
 
     def guarded(
         self, ref: ImageRef, where: dict[str, Any], sample: Sample, read: Callable[[], T]
@@ -298,6 +308,16 @@ def wanted_elsewhere(
                 row += step
     wanted.update(hashes[elsewhere[rows]].tolist())
     return {h for h in wanted if isinstance(h, str)}
+
+
+def _image_hashes(table: pa.Table) -> list[str]:
+    """Every image hash ``table``'s rows show, once per use (none where the column is
+    malformed: RowWindow names it)."""
+    try:
+        flat = pc.list_flatten(table.column("images"))
+        return [h for h in pc.struct_field(flat, "hash").to_pylist() if isinstance(h, str)]
+    except (KeyError, pa.ArrowException):
+        return []
 
 
 def _unit_bounds(unit_rows: Sequence[int]) -> Iterator[tuple[int, int, int]]:

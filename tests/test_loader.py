@@ -455,7 +455,9 @@ def test_workers_never_receive_the_parents_cache(filled, small_processor):
     import pickle
 
     ds = mmstore.RolloutDataset(filled, small_processor, shuffle=False)
-    list(mmstore.RolloutLoader(ds, batch_size=8))  # fills the main process's cache
+    loader = mmstore.RolloutLoader(ds, batch_size=8)
+    list(loader)
+    list(loader)  # images seen again in a later window stay in the main process's cache
     assert len(ds.materializer().cache) > 0
     shipped = pickle.loads(pickle.dumps(ds))
     assert shipped._materializer is None
