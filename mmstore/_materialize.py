@@ -117,7 +117,7 @@ class Materializer:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
         each checked first (:mod:`._rowcheck`): a bad row raises when it is reached."""
         window = self.window(table)
-        self.retention.begin(_image_hashes(table))
+        self.retention.begin(window.images.hashes())
         for i in range(window.num_rows):
             row = window.row(i)
             sample = self.checked_sample(row)
@@ -308,16 +308,6 @@ def wanted_elsewhere(
                 row += step
     wanted.update(hashes[elsewhere[rows]].tolist())
     return {h for h in wanted if isinstance(h, str)}
-
-
-def _image_hashes(table: pa.Table) -> list[str]:
-    """Every image hash ``table``'s rows show, once per use (none where the column is
-    malformed: RowWindow names it)."""
-    try:
-        flat = pc.list_flatten(table.column("images"))
-        return [h for h in pc.struct_field(flat, "hash").to_pylist() if isinstance(h, str)]
-    except (KeyError, pa.ArrowException):
-        return []
 
 
 def _unit_bounds(unit_rows: Sequence[int]) -> Iterator[tuple[int, int, int]]:

@@ -378,6 +378,10 @@ class _RefColumns:
         (fp_codes, fps), (family_codes, families) = self._layouts
         return fps[fp_codes[j]], families[family_codes[j]]
 
+    def hashes(self) -> list[str]:
+        """Every ref's hash, in row order (a null one left out: its row fails its check)."""
+        return [h for h in self._fields["hash"].to_pylist() if isinstance(h, str)]
+
     def refs(self, lo: int, kept: int) -> list[ImageRef]:
         """The kept refs as ImageRefs, built without validation (every field was checked)."""
         if not kept:
