@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check mmstore tests benchmarks scripts
 	$(BIN)/ruff format --check mmstore tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/pytest

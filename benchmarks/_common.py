@@ -14,7 +14,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts
 
 WORKLOADS = {
     # PIL-drawn UI screenshots, multi-turn (2 per sample), GRPO groups of 8 sharing them.

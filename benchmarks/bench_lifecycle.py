@@ -32,10 +32,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import mmstore
 from benchmarks._common import interleaved, timed
-from mmstore._media import content_hash, media_path
-from mmstore._refscan import referenced_hashes
-from mmstore._schema import IMAGE_REF_TYPE, ROLLOUT_SCHEMA, file_metadata
-from mmstore._writer import DEFAULT_ROW_GROUP_SIZE, parquet_options
+from mmstore._format.media import content_hash, media_path
+from mmstore._format.schema import IMAGE_REF_TYPE, ROLLOUT_SCHEMA, file_metadata
+from mmstore._rows.files import referenced_hashes
+from mmstore._rows.writer import DEFAULT_ROW_GROUP_SIZE, parquet_options
 
 FULL_REFS = 1_000_000
 SIZES = (0.25, 0.5, 1.0)  # fractions of the full size, measured in this order

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import mmstore
 from benchmarks._common import WORKLOADS, cli, interleaved, processor, single_threaded, timed
-from mmstore._synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts
 
 BATCH = 8
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from benchmarks._common import cli, processor
 from mmstore import adapter_for
-from mmstore._pack import budget_for, epoch_order, plan_epoch
-from mmstore._scan import Snapshot, WorkUnit
+from mmstore._planning.pack import budget_for, epoch_order, plan_epoch
+from mmstore._rows.snapshot import Snapshot, WorkUnit
 
 BATCH, WORLD, MAX_TOKENS, ROW_GROUP = 64, 8, 32768, 128
 

@@ -26,7 +26,7 @@ import pyarrow.fs as pafs
 import mmstore
 from benchmarks import _s3
 from benchmarks._common import WORKLOADS, cli, interleaved, processor
-from mmstore._synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts
 
 HEADLINE = [
     ("S3 loader 30 ms / 0 ms latency, prefetch", "prefetch_30_over_0"),

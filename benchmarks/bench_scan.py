@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 
 from benchmarks._common import cli, interleaved, timed, write_workload
 from mmstore import debug
-from mmstore._scan import ROW_COLUMNS, read_units, take_snapshot
+from mmstore._format.schema import ROW_COLUMNS
+from mmstore._rows.snapshot import read_units, take_snapshot
 
 COLUMNS = ["sample_id", "group_id", "reward", "advantage", "prompt_len"]
 

@@ -55,7 +55,7 @@ import mmstore
 from benchmarks import bench_write
 from benchmarks._common import WORKLOADS, interleaved, paired_ratio, single_threaded
 from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rate
-from mmstore._media import decode_rgb_tensor
+from mmstore._format.media import decode_rgb_tensor
 
 WORKERS = 2
 BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcessor}

@@ -31,11 +31,11 @@ import numpy as np
 
 import mmstore
 from benchmarks._common import WORKLOADS, cli, interleaved, processor
-from mmstore import _rowcheck
-from mmstore._invariants import truncation_point
-from mmstore._materialize import Materializer
-from mmstore._scan import read_units
-from mmstore._synth import grpo_rollouts
+from mmstore._loading.materialize import Materializer
+from mmstore._rows import check as _rowcheck
+from mmstore._rows.invariants import truncation_point
+from mmstore._rows.snapshot import read_units
+from mmstore.synth import grpo_rollouts
 
 HEADLINE = [
     ("loader with checks / without, screenshots", "screenshots.checked_over_unchecked"),

@@ -15,7 +15,7 @@ The same encoded images and the same rows go down both paths, in one run, interl
 
 Rows are realistic: GRPO groups of 8 sharing 2 prompt screenshots (1280x720 PNG), 2-4k
 tokens (placeholder spans of the real Qwen2-VL layout, Zipf-distributed text), completion
-logprobs. It also prints the Parquet encoding table behind ``mmstore._writer``'s settings.
+logprobs. It also prints the Parquet encoding table behind ``mmstore._rows.writer``'s settings.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import mmstore
-from mmstore._media import content_hash, encode_image, media_path
-from mmstore._schema import ROLLOUT_SCHEMA
-from mmstore._synth import VISION_END, VISION_START, screenshot
-from mmstore._writer import parquet_options
+from mmstore._format.media import content_hash, encode_image, media_path
+from mmstore._format.schema import ROLLOUT_SCHEMA
+from mmstore._rows.writer import parquet_options
+from mmstore.synth import VISION_END, VISION_START, screenshot
 
 GROUP_SIZE = 8
 IMAGES_PER_SAMPLE = 2

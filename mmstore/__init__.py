@@ -2,8 +2,8 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import debug, synth, wire
-from ._exceptions import (
+from mmstore import debug, synth, wire
+from mmstore._exceptions import (
     CorruptFileError,
     DecompressionBombError,
     DeleteFailedError,
@@ -25,33 +25,33 @@ from ._exceptions import (
     UntrustedURIError,
     WireFormatError,
 )
-from ._export import export
-from ._families import Family, Layout, adapter_for, known_families, register_family
-from ._families.qwen_vl import QwenVL
-from ._invariants import check_rollout, truncate
-from ._lifecycle import GcReport, ReleaseReport, gc, release_run
-from ._models import ImageRef, MediaRef, Rollout
-from ._pins import list_pins, pin, pin_rows, unpin
-from ._schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
-from ._store import Store
-from ._verify import Problem, VerifyReport, verify
-from ._writer import RolloutWriter
+from mmstore._families import Family, Layout, adapter_for, known_families, register_family
+from mmstore._families.qwen_vl import QwenVL
+from mmstore._format.models import ImageRef, MediaRef, Rollout
+from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
+from mmstore._lifecycle.export import export
+from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
+from mmstore._lifecycle.pins import list_pins, pin, pin_rows, unpin
+from mmstore._lifecycle.verify import Problem, VerifyReport, verify
+from mmstore._rows.invariants import check_rollout, truncate
+from mmstore._rows.store import Store
+from mmstore._rows.writer import RolloutWriter
 
 # The first release's name for the Qwen-VL adapter.
 QwenVLAdapter = QwenVL
 
 if TYPE_CHECKING:
-    from ._dataset import RolloutDataset, RolloutLoader
-    from ._distinct import expand_images
+    from mmstore._loading.dataset import RolloutDataset, RolloutLoader
+    from mmstore._loading.distinct import expand_images
 
 __version__ = "0.1.0"
 
 # The loader needs torch (the `torch` extra); the rollout side and debugging do not, so
 # these names import it only when first used.
 _TORCH_NAMES = {
-    "RolloutDataset": "._dataset",
-    "RolloutLoader": "._dataset",
-    "expand_images": "._distinct",
+    "RolloutDataset": "._loading.dataset",
+    "RolloutLoader": "._loading.dataset",
+    "expand_images": "._loading.distinct",
 }
 
 

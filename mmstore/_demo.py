@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from ._progress import bar
+from mmstore._progress import bar
 
 DEFAULT_ROOT = "mmstore-demo"
 DEMO_RUN = "demo"
@@ -44,8 +44,8 @@ def main(
         Qwen2VLImageProcessorPil,
     )
 
-    from . import RolloutDataset, RolloutLoader, Store, adapter_for
-    from ._synth import grpo_rollouts
+    from mmstore import RolloutDataset, RolloutLoader, Store, adapter_for
+    from mmstore.synth import grpo_rollouts
 
     workdir = None
     if tmp:
@@ -97,7 +97,7 @@ def main(
 
 def _replace_earlier_demo(store: Any) -> None:
     """A rerun into the same store starts from a clean demo run (its rows would repeat)."""
-    from . import release_run
+    from mmstore import release_run
 
     prefix = f"rollouts/run_id={DEMO_RUN}/"
     if any(f.path.startswith(prefix) for f in store.rollout_files()):
@@ -115,7 +115,7 @@ def _summary(
     peak_batch: int,
 ) -> dict[str, Any]:
     """The store's figures (from ``debug.summary``) beside the training read's."""
-    from . import debug
+    from mmstore import debug
 
     stored = debug.summary(store, by=(), progress=False).row(0, named=True)
     on_disk = stored["media_bytes"] + stored["parquet_bytes"]

@@ -19,13 +19,14 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from . import __version__, debug
-from ._exceptions import MmstoreError, NoMatchError, NotAStoreError
-from ._export import export
-from ._lifecycle import gc, release_run
-from ._pins import list_pins, pin_rows, unpin
-from ._store import CREATE_REMEDY, Store
-from ._verify import verify
+from mmstore import __version__, debug
+from mmstore._exceptions import MmstoreError, NoMatchError, NotAStoreError
+from mmstore._lifecycle.export import export
+from mmstore._lifecycle.gc import gc, release_run
+from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
+from mmstore._lifecycle.verify import verify
+from mmstore._rows.store import Store
+from mmstore._storage.store import CREATE_REMEDY
 
 PROG = "mmstore"
 TEXT_WIDTH = 96  # lines of prose; tables fit 100 columns for the usual run and sample ids
@@ -100,7 +101,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import _demo
+    from mmstore import _demo
 
     options = {k: v for k in DEMO_OPTIONS if (v := getattr(args, k)) is not None}
     if args.json:

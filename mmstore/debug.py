@@ -23,8 +23,7 @@ import polars as pl
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from ._backends import S3Backend
-from ._exceptions import (
+from mmstore._exceptions import (
     CorruptFileError,
     InvalidArgumentError,
     MediaNotFoundError,
@@ -32,14 +31,15 @@ from ._exceptions import (
     NoMatchError,
     UnsupportedProcessorError,
 )
-from ._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
-from ._progress import bar
-from ._refscan import partition_of, reading
-from ._schema import META_LAYOUTS, ROLLOUT_SCHEMA
+from mmstore._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
+from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
+from mmstore._progress import bar
+from mmstore._rows.files import partition_of, reading
+from mmstore._storage.backends import S3Backend
 
 if TYPE_CHECKING:
-    from ._backends import FileStat
-    from ._store import Store
+    from mmstore._rows.store import Store
+    from mmstore._storage.backends import FileStat
 
 __all__ = [
     "images",

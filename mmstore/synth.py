@@ -5,10 +5,131 @@ like real ones), ``photo(seed, width, height)`` a photo-like image (incompressib
 ``grpo_rollouts(store, adapter, groups=...)`` yields GRPO groups of :class:`mmstore.Rollout`
 whose samples share their prompt images, written through the public path: ``put_image``,
 ``adapter.expand``, ``Rollout``. Rewards are 0 or 1 at random, advantages ``reward - 0.5``.
+
+Also used by the demo, the benchmarks and the tests. Screenshots are compressible like real
+ones; photos (smooth noise) are incompressible like real ones.
 """
 
 from __future__ import annotations
 
-from ._synth import grpo_rollouts, photo, screenshot
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from mmstore._format.models import MediaRef, Rollout
+
+if TYPE_CHECKING:
+    from mmstore._families import Family
+    from mmstore._rows.store import Store
+
+# Qwen chat-template tokens around an image (ids from the Qwen2-VL tokenizer).
+VISION_START, VISION_END = 151652, 151653
+TEXT_VOCAB = 150_000
 
 __all__ = ["grpo_rollouts", "photo", "screenshot"]
+
+
+def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
+    """A deterministic UI-like screenshot: title bar, sidebar, panels, buttons, text lines."""
+    rng = random.Random(seed)
+    image = Image.new("RGB", (width, height), (rng.randint(225, 250),) * 3)
+    draw = ImageDraw.Draw(image)
+    accent = (rng.randint(0, 120), rng.randint(60, 160), rng.randint(150, 255))
+    draw.rectangle([0, 0, width, max(2, height // 20)], fill=accent)
+    draw.rectangle([0, height // 20, width // 6, height], fill=(40, 44, 52))
+    for _ in range(rng.randint(4, 9)):
+        x0 = rng.randint(width // 6, max(width // 6, width - 40))
+        y0 = rng.randint(height // 20, max(height // 20, height - 30))
+        x1 = min(width - 1, x0 + rng.randint(2, max(2, width // 3)))
+        y1 = min(height - 1, y0 + rng.randint(2, max(2, height // 4)))
+        draw.rectangle([x0, y0, x1, y1], fill=(255, 255, 255), outline=(200, 200, 200))
+        for line in range(y0 + 6, y1 - 6, 12):
+            draw.line(
+                [x0 + 6, line, x0 + 6 + rng.randint(10, max(11, x1 - x0 - 12)), line],
+                fill=(rng.randint(20, 90),) * 3,
+                width=3,
+            )
+    for _ in range(rng.randint(2, 6)):
+        x0, y0 = rng.randint(0, max(0, width - 60)), rng.randint(0, max(0, height - 30))
+        draw.rounded_rectangle([x0, y0, x0 + 80, y0 + 28], radius=6, fill=accent)
+    return image
+
+
+def photo(seed: int, width: int = 640, height: int = 480) -> Image.Image:
+    """A deterministic photo-like image: smooth colour fields plus sensor-like noise."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(
+        0, 256, size=(max(2, height // 64), max(2, width // 64), 3), dtype=np.uint8
+    )
+    base = np.asarray(
+        Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16
+    )
+    noise = rng.integers(-12, 13, size=(height, width, 3), dtype=np.int16)
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def prompt_tokens(rng: random.Random, n_text: int, n_images: int) -> list[int]:
+    """Text tokens with ``<vision_start><image_pad><vision_end>`` for each image."""
+    out: list[int] = []
+    for _ in range(n_images):
+        out += [rng.randrange(TEXT_VOCAB) for _ in range(rng.randint(1, n_text))]
+        out += [VISION_START, -1, VISION_END]  # -1: the adapter's image token, set below
+    out += [rng.randrange(TEXT_VOCAB) for _ in range(n_text)]
+    return out
+
+
+def grpo_rollouts(
+    store: Store,
+    adapter: Family,
+    *,
+    groups: int,
+    group_size: int = 8,
+    images_per_sample: int = 2,
+    image_size: tuple[int, int] = (1920, 1080),
+    kind: str = "screenshot",
+    completion_len: int = 64,
+    seed: int = 0,
+    share_images: bool = True,
+) -> Iterator[Rollout]:
+    """GRPO groups: samples of a group share their prompt images (if ``share_images``)."""
+    rng = random.Random(seed)
+    draw = screenshot if kind == "screenshot" else photo
+    fmt = "png" if kind == "screenshot" else "jpeg"
+
+    def put(image_seed: int) -> MediaRef:
+        return store.put_image(draw(image_seed, *image_size), format=fmt)
+
+    for g in range(groups):
+        shared = (
+            [put(seed * 1_000_003 + g * 97 + i) for i in range(images_per_sample)]
+            if share_images
+            else []
+        )
+        prompt = prompt_tokens(rng, 24, images_per_sample)
+        for k in range(group_size):
+            if share_images:
+                media = shared
+            else:
+                media = [
+                    put(seed * 1_000_003 + (g * group_size + k) * 97 + i + 50_000_000)
+                    for i in range(images_per_sample)
+                ]
+            ids = [adapter.image_token_id if t == -1 else t for t in prompt]
+            tokens, refs = adapter.expand(ids, media)
+            completion = [rng.randrange(TEXT_VOCAB) for _ in range(rng.randint(8, completion_len))]
+            reward = float(rng.random() < 0.5)
+            yield Rollout(
+                sample_id=f"g{seed}-{g:05d}-{k:02d}",
+                group_id=f"g{seed}-{g:05d}",
+                tokens=tokens + completion,
+                prompt_len=len(tokens),
+                loss_mask=[False] * len(tokens) + [True] * len(completion),
+                logprobs=[-rng.random() for _ in range(len(tokens) + len(completion))],
+                reward=reward,
+                advantage=reward - 0.5,
+                images=refs,
+                metadata={"turns": images_per_sample, "kind": kind},
+            )

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ._exceptions import WireFormatError
-from ._models import ImageRef
+from mmstore._exceptions import WireFormatError
+from mmstore._format.models import ImageRef
 
 PREFIX = "mmraw:"
 # A ref is ~250 characters; anything far larger is not a ref and is refused before parsing.

@@ -38,7 +38,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts
 
 STATS = {"cache_hits", "cache_misses", "node_cache_hits", "node_cache_misses"}
 

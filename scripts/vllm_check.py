@@ -35,9 +35,9 @@ from typing import Any
 import pyarrow.parquet as pq
 
 import mmstore
-from mmstore._models import table_to_rollouts
-from mmstore._synth import grpo_rollouts
+from mmstore._format.models import table_to_rollouts
 from mmstore.integrations import vllm as mmvllm
+from mmstore.synth import grpo_rollouts
 
 FIRST_SPECIAL = 151643
 SPECIALS = [  # Qwen2-VL's special tokens, in id order from 151643

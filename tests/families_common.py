@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 import mmstore
-from mmstore._models import MediaRef
+from mmstore._format.models import MediaRef
 
 
 def sized(sizes: Sequence[tuple[int, int]]) -> Any:

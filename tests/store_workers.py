@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._media import content_hash, encode_image
-from mmstore._synth import VISION_END, VISION_START, screenshot
+from mmstore._format.media import content_hash, encode_image
+from mmstore.synth import VISION_END, VISION_START, screenshot
 
 SMALL_MAX_PIXELS = 256 * 28 * 28  # as tests/conftest.py
 

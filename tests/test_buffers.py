@@ -9,7 +9,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore import _buffers
+from mmstore._loading import buffers as _buffers
 
 from .test_loader import write_steps
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mmstore._cache import ByteLRU, WindowRetention
+from mmstore._loading.cache import ByteLRU, WindowRetention
 
 
 def test_evicts_least_recently_used_by_bytes():

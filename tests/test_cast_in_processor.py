@@ -19,8 +19,8 @@ from transformers.models.pixtral.image_processing_pixtral import PixtralImagePro
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._materialize import cast_floats
-from mmstore._media import decode_rgb_tensor, encode_image
+from mmstore._format.media import decode_rgb_tensor, encode_image
+from mmstore._tensors import cast_floats
 from tests.families_common import noise
 
 # Small settings of each family's torchvision processor, so that odd sizes stay cheap.

@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 import mmstore
-from mmstore._synth import screenshot
 from mmstore.cli import main
+from mmstore.synth import screenshot
 
 
 def run_cli(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import mmstore
-from mmstore._media import content_hash
+from mmstore._format.media import content_hash
 from tests.store_workers import check_store, image_bytes
 
 WORKERS = os.path.join(os.path.dirname(__file__), "store_workers.py")

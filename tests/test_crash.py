@@ -98,7 +98,7 @@ def test_sigkill_during_gc_release_export_and_pin_loses_nothing_referenced(tmp_p
 
     store = mmstore.Store.open(root)
     check_store(store, adapter)  # every committed row's media is present and whole
-    pinned = mmstore._pins.pinned_hashes(store)
+    pinned = mmstore._lifecycle.pins.pinned_hashes(store)
     present = {
         p.rsplit("/", 1)[1].split(".")[0] for p in (m.path for m in store.backend.list("media"))
     }

@@ -19,7 +19,7 @@ from PIL import Image
 
 import mmstore
 from mmstore import debug
-from mmstore._synth import photo, screenshot
+from mmstore.synth import photo, screenshot
 
 ROW_COLUMNS = [
     "run_id",

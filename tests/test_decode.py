@@ -20,7 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._media import decode_rgb, decode_rgb_tensor
+from mmstore._format.media import decode_rgb, decode_rgb_tensor
 
 from .conftest import SMALL_MAX_PIXELS
 from .test_loader import _refs_of, write_steps

@@ -21,9 +21,9 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._device import PENDING_KEY, DevicePreprocessor, PendingImage
-from mmstore._media import decode_rgb_tensor
-from mmstore._synth import screenshot
+from mmstore._format.media import decode_rgb_tensor
+from mmstore._loading.device import PENDING_KEY, DevicePreprocessor, PendingImage
+from mmstore.synth import screenshot
 from tests.conftest import SMALL_MAX_PIXELS
 from tests.test_loader import _refs_of, write_steps
 from tests.test_packing import write_mixed

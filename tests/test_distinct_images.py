@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._distinct import distinct
-from mmstore._synth import grpo_rollouts
+from mmstore._loading.distinct import distinct
+from mmstore.synth import grpo_rollouts
 from tests.families_common import (
     check_distinct_images,
     model_inputs,

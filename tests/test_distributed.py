@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts
 
 SMALL = 256 * 28 * 28
 

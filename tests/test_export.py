@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._media import content_hash
-from mmstore._synth import photo
+from mmstore._format.media import content_hash
+from mmstore.synth import photo
 from tests import rows
 
 
@@ -57,7 +57,7 @@ def test_an_export_trains_through_the_loader_after_the_source_is_gone(
 ):
     import torch
 
-    from mmstore._synth import grpo_rollouts
+    from mmstore.synth import grpo_rollouts
 
     source = mmstore.Store.open(tmp_path / "source", create=True)
     for step in range(4):

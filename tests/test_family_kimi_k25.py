@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 import mmstore
-from mmstore._synth import photo
 from mmstore.integrations import vllm
+from mmstore.synth import photo
 from tests.families_common import (
     check_distinct_images,
     check_output_fits,

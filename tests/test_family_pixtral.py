@@ -27,6 +27,7 @@ from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
+from mmstore._loading.stack import batch_images
 from mmstore.integrations import vllm
 from tests.families_common import (
     check_distinct_images,
@@ -413,7 +414,7 @@ def test_position_ids_are_1d_rope_positions_the_model_uses(filled, small):
     positions = adapter.position_ids(sample.input_ids, sample.images)
     n = len(sample.input_ids)
     assert adapter.position_rows == 1 and positions.tolist() == [list(range(n))]
-    inputs = {"input_ids": sample.input_ids[None], **adapter.collate_images(sample.images)}
+    inputs = {"input_ids": sample.input_ids[None], **batch_images(adapter, sample.images)}
     with torch.no_grad():
         ours = model(**inputs, position_ids=positions).logits
         default = model(**inputs).logits

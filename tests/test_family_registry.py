@@ -14,7 +14,7 @@ from PIL import Image
 
 import mmstore
 from mmstore import Family
-from mmstore._synth import screenshot
+from mmstore.synth import screenshot
 
 BOI, IMG, EOI, PAD = 90, 91, 92, 0
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import mmstore
-from mmstore._synth import photo
+from mmstore.synth import photo
 from tests.rows import commit
 
 

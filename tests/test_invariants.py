@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._invariants import check_rollout, truncate
-from mmstore._models import MediaRef, Rollout, rollouts_to_table, table_to_rollouts
+from mmstore._format.models import MediaRef, Rollout, rollouts_to_table, table_to_rollouts
+from mmstore._rows.invariants import check_rollout, truncate
 
 # A small pixel budget keeps spans short (4..64 tokens) with the real Qwen2-VL resize rule.
 ADAPTER = mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=64 * 28 * 28))

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 
 import mmstore
 from benchmarks.bench_lifecycle import SyntheticStore, run
-from mmstore._models import table_to_rollouts
+from mmstore._format.models import table_to_rollouts
 
 
 def test_synthetic_store_rows_are_valid_and_gc_finds_exactly_the_garbage(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._synth import grpo_rollouts, screenshot
+from mmstore.synth import grpo_rollouts, screenshot
 from tests.families_common import tiny_qwen2_vl_config
 
 SMALL = 256 * 28 * 28

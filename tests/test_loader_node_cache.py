@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore._materialize import wanted_elsewhere
-from mmstore._node_cache import NodeCache, processor_digest
-from mmstore._worker import init_worker
+from mmstore._loading.materialize import wanted_elsewhere
+from mmstore._loading.node_cache import NodeCache, processor_digest
+from mmstore._loading.workers import init_worker
 from tests.store_workers import SMALL_MAX_PIXELS, image_bytes, make_row, small_adapter
 
 GROUPS, GROUP_SIZE = 4, 8

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 import mmstore
-from mmstore._models import DENSE_KEYS, MediaRef, Rollout, rollouts_to_table, table_to_rollouts
-from mmstore._schema import ROLLOUT_SCHEMA, check_schema_version, file_metadata
+from mmstore._format.models import (
+    DENSE_KEYS,
+    MediaRef,
+    Rollout,
+    rollouts_to_table,
+    table_to_rollouts,
+)
+from mmstore._format.schema import ROLLOUT_SCHEMA, check_schema_version, file_metadata
 
 
 def _rows(adapter: mmstore.QwenVLAdapter) -> list[Rollout]:

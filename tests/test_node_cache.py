@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mmstore._node_cache import NodeCache
+from mmstore._loading.node_cache import NodeCache
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mmstore
-from mmstore._pack import plan_epoch
-from mmstore._synth import grpo_rollouts
+from mmstore._planning.pack import plan_epoch
+from mmstore.synth import grpo_rollouts
 from tests.resume_harness import check_resume
 
 MAX_TOKENS = 700
@@ -275,7 +275,7 @@ def test_footer_counts_are_written_and_older_files_still_plan(tmp_path, small_pr
     write_mixed(store, mmstore.adapter_for(small_processor), steps=1)
     path = store.backend.abspath(store.rollout_files()[0].path)
     meta = pq.ParquetFile(path).metadata
-    from mmstore._schema import decode_num_tokens
+    from mmstore._format.schema import decode_num_tokens
 
     counts = decode_num_tokens(meta.metadata, meta.num_rows)
     table = pq.read_table(path, partitioning=None)
@@ -295,7 +295,7 @@ def test_footer_counts_are_written_and_older_files_still_plan(tmp_path, small_pr
 
 
 def test_a_footer_that_lies_is_caught_on_read(tmp_path, small_processor):
-    from mmstore._schema import encode_num_tokens
+    from mmstore._format.schema import encode_num_tokens
 
     store = mmstore.Store.open(tmp_path / "s", create=True)
     write_mixed(store, mmstore.adapter_for(small_processor), steps=1)
@@ -350,8 +350,8 @@ def test_one_dimensional_families_restart_positions_per_sample(small_processor):
     """A 1-D RoPE family (its position_ids the base 0..L-1) packs to ``[1, T]`` positions."""
     from mmstore._families import Family
     from mmstore._families.qwen_vl import QwenVL
-    from mmstore._materialize import Sample
-    from mmstore._microbatch import pack
+    from mmstore._loading.materialize import Sample
+    from mmstore._loading.microbatch import pack
 
     class OneD(QwenVL):
         position_rows = 1

@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._rowcheck import FILE_COLUMN, conform
-from mmstore._scan import ROW_COLUMNS, read_units, take_snapshot
+from mmstore._format.schema import FILE_COLUMN, ROW_COLUMNS
+from mmstore._rows.files import conform
+from mmstore._rows.snapshot import read_units, take_snapshot
 from tests.store_workers import image_bytes, make_row
 
 # Page headers are the first bytes of a chunk (a few dozen bytes each): flipped exhaustively

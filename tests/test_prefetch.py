@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mmstore
-from mmstore._prefetch import Prefetcher
-from mmstore._synth import photo
+from mmstore._loading.prefetch import Prefetcher
+from mmstore.synth import photo
 from tests.rows import commit
 
 

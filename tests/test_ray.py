@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmstore
-from mmstore._synth import grpo_rollouts, photo
+from mmstore.synth import grpo_rollouts, photo
 
 ray = pytest.importorskip("ray")
 mmray = pytest.importorskip("mmstore.integrations.ray")

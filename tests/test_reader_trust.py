@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mmstore
-from mmstore._schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
-from mmstore._synth import photo
+from mmstore._format.schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
+from mmstore.synth import photo
 
 IMG = 151655  # Qwen-VL's image token
 IMG_SIZE = (56, 56)  # 4 tokens in the small test layout
@@ -269,7 +269,7 @@ def test_a_forged_span_past_the_cut_is_refused_as_without_max_len(
 
 
 def test_a_row_above_the_hard_cap_is_refused(store, small_processor, adapter, media, monkeypatch):
-    from mmstore import _rowcheck
+    from mmstore._rows import check as _rowcheck
 
     monkeypatch.setattr(_rowcheck, "MAX_ROW_TOKENS", 1000)
     path = forge(store, adapter, [_long_row(adapter, media, 2000)])
@@ -285,8 +285,8 @@ def test_read_path_decodes_only_put_formats(store, fmt):
     buf = io.BytesIO()
     Image.new("RGB", (8, 8), "red").save(buf, format=fmt)
     data = buf.getvalue()
-    digest = mmstore._media.content_hash(data)
-    uri = mmstore._media.media_path(digest, "png")
+    digest = mmstore._format.media.content_hash(data)
+    uri = mmstore._format.media.media_path(digest, "png")
     target = store.backend.abspath(uri)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target, "wb") as f:

@@ -13,9 +13,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import mmstore
 from mmstore import wire
-from mmstore._media import content_hash, media_path
-from mmstore._synth import photo
+from mmstore._format.media import content_hash, media_path
 from mmstore.integrations.vllm import RefResolver, resolve_wire_refs
+from mmstore.synth import photo
 
 SMALL_MAX_PIXELS = 256 * 28 * 28  # as conftest's small_processor
 
@@ -280,12 +280,12 @@ def test_a_ref_above_the_pixel_limit_is_refused_unread(store, small_processor, r
     refused(result, 0, "image_too_large")
 
 
-def test_memory_error_never_escapes_resolve(store, small_processor, refs):
+def test_memory_error_never_escapes_resolve(store, small_processor, refs, monkeypatch):
     def exhausted(*args, **kwargs):
         raise MemoryError
 
     resolver = RefResolver(store, small_processor)
-    resolver.adapter.collate_images = exhausted
+    monkeypatch.setattr("mmstore._loading.stack.batch_images", exhausted)
     refused(resolver.resolve([wire.encode(refs[0])]), None, "out_of_memory")
     resolver = RefResolver(store, small_processor)
     resolver.adapter.image_processor = exhausted

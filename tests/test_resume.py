@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mmstore
-from mmstore import _dataset
-from mmstore._synth import grpo_rollouts
+from mmstore._loading import dataset as _dataset
+from mmstore.synth import grpo_rollouts
 from tests.resume_harness import check_resume
 
 

@@ -12,9 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._manifest import FORMAT_VERSION
-from mmstore._models import rollouts_to_table
-from mmstore._schema import (
+from mmstore._format.models import rollouts_to_table
+from mmstore._format.schema import (
     META_SCHEMA_VERSION,
     PARTITION_FIELDS,
     ROLLOUT_SCHEMA,
@@ -23,10 +22,11 @@ from mmstore._schema import (
     describe,
     file_metadata,
 )
+from mmstore._storage.manifest import FORMAT_VERSION
 
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / f"rollout.v{SCHEMA_VERSION}.json"
 REGENERATE = (
-    '.venv/bin/python -c "import json; from mmstore._schema import describe; '
+    '.venv/bin/python -c "import json; from mmstore._format.schema import describe; '
     f"open('schemas/{SCHEMA_FILE.name}', 'w').write(json.dumps(describe(), indent=2, "
     "sort_keys=True) + '\\n')\""
 )

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._synth import screenshot
+from mmstore.synth import screenshot
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import mmstore
-from mmstore._media import content_hash
+from mmstore._format.media import content_hash
 from tests.store_workers import image_bytes, make_row, tree
 
 

@@ -9,8 +9,8 @@ import pyarrow.fs as pafs
 import pytest
 
 import mmstore
-from mmstore._backends import s3_filesystem
-from mmstore._manifest import FORMAT_VERSION, MANIFEST
+from mmstore._storage.backends import s3_filesystem
+from mmstore._storage.manifest import FORMAT_VERSION, MANIFEST
 
 
 def test_create_writes_a_manifest_and_reopens(tmp_path):

@@ -14,7 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore import _backends, _lifecycle, _refscan
+from mmstore._lifecycle import gc as _lifecycle
+from mmstore._rows import files as _refscan
+from mmstore._storage import backends as _backends
 from mmstore.cli import main
 from mmstore.integrations.vllm import resolve_wire_refs
 from tests.rows import commit

@@ -7,8 +7,8 @@ import os
 import pytest
 
 import mmstore
-from mmstore._backends import s3_filesystem
-from mmstore._media import content_hash
+from mmstore._format.media import content_hash
+from mmstore._storage.backends import s3_filesystem
 from tests.store_workers import image_bytes
 
 H = "ab" + "cd" * 15  # a well-formed hash

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mmstore
-from mmstore._models import list_array, table_to_rollouts
+from mmstore._format.models import list_array, table_to_rollouts
 from tests.store_workers import image_bytes, make_row
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

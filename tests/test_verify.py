@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._synth import photo
+from mmstore.synth import photo
 from tests import rows
 
 
@@ -91,7 +91,7 @@ def test_verify_reports_schema_versions_untrusted_uris_duplicates_and_pins(
     image.save(outside / "x.png")
     trusting = mmstore.Store.open(store.root, trusted_roots=[str(outside)])
     external = mmstore.MediaRef(
-        hash=mmstore._media.content_hash((outside / "x.png").read_bytes()),
+        hash=mmstore._format.media.content_hash((outside / "x.png").read_bytes()),
         uri=f"file://{outside}/x.png",
         width=48,
         height=40,

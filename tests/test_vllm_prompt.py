@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 import mmstore
-from mmstore._synth import VISION_END, VISION_START, photo, screenshot
 from mmstore.integrations import vllm
+from mmstore.synth import VISION_END, VISION_START, photo, screenshot
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_prefill_request_marks_the_whole_sequence_expanded(store, rollout):
     for url, ref in zip(request["image_data"], rollout.images, strict=True):
         head, payload = url.split(",", 1)
         assert head in ("data:image/png;base64", "data:image/jpeg;base64")
-        assert mmstore._media.content_hash(base64.b64decode(payload)) == ref.hash
+        assert mmstore._format.media.content_hash(base64.b64decode(payload)) == ref.hash
 
 
 @pytest.mark.parametrize("prompt_len", [0, "all"])

@@ -14,8 +14,8 @@ vllm_lib = pytest.importorskip(
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 import mmstore  # noqa: E402
-from mmstore._synth import VISION_END, VISION_START, photo  # noqa: E402
 from mmstore.integrations import vllm  # noqa: E402
+from mmstore.synth import VISION_END, VISION_START, photo  # noqa: E402
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 
 import mmstore
-from mmstore import _worker
+from mmstore._loading import workers as _worker
 
 # The buffer tests' store: batches with pixels large enough to take shared buffers.
 from .test_buffers import PROCESSOR

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import mmstore
-from mmstore._media import content_hash
-from mmstore._schema import META_LAYOUTS, META_RUN_ID, META_SCHEMA_VERSION, META_STEP
-from mmstore._writer import COLUMN_ENCODING, DEFAULT_ROW_GROUP_SIZE
+from mmstore._format.media import content_hash
+from mmstore._format.schema import META_LAYOUTS, META_RUN_ID, META_SCHEMA_VERSION, META_STEP
+from mmstore._rows.writer import COLUMN_ENCODING, DEFAULT_ROW_GROUP_SIZE
 from tests.store_workers import image_bytes, make_row, tree
 
 PART = re.compile(r"^rollouts/run_id=(\w+)/step=(\d+)/part-([0-9a-f]{32})-(\d{5})\.parquet$")

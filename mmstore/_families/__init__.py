@@ -1,8 +1,8 @@
 """Model families: one small base protocol (:mod:`._base`), one module per family, and a
 registry from processor classes to families (:mod:`._registry`)."""
 
-from ._base import Collation, Family, Layout
-from ._registry import (
+from mmstore._families._base import Collation, Family, Layout
+from mmstore._families._registry import (
     adapter_for,
     family_class,
     family_for_layout,

@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 import xxhash
 
-from .._exceptions import InvalidRolloutError, LayoutMismatchError, UnsupportedProcessorError
+from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, UnsupportedProcessorError
+from mmstore._format.models import ImageRef, MediaRef
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
-
-    from .._models import ImageRef, MediaRef
 
 # How one image tensor of a family is batched: "cat" concatenates the images' tensors along
 # their first axis (patch rows, or one row per image); "pad" zero-pads the trailing (spatial)
@@ -136,11 +135,7 @@ class Family(ABC):
         if image_token_id is not None:
             token_ids["image_token_id"] = int(image_token_id)
         parameters = cls.read_parameters(image_processor, processor)
-        layout = Layout.make(cls.name, parameters, token_ids)
-        from ._registry import register_layout
-
-        register_layout(layout)
-        return cls(layout, image_processor)
+        return cls(Layout.make(cls.name, parameters, token_ids), image_processor)
 
     @classmethod
     @abstractmethod
@@ -244,7 +239,7 @@ class Family(ABC):
         out = self.select_outputs(self.run_processor(images, cast_to=dtype))
         if dtype is None:
             return {key: np.asarray(value) for key, value in out.items()}
-        from .._materialize import cast_floats
+        from mmstore._tensors import cast_floats  # torch: only when a dtype asks for tensors
 
         return cast_floats(out, dtype)
 
@@ -316,24 +311,6 @@ class Family(ABC):
             return {}
         return {self.token_type_input: (input_ids == self.feature_token_id).to(torch_int32())}
 
-    def collate_images(
-        self, images: Sequence[Mapping[str, torch.Tensor]]
-    ) -> dict[str, torch.Tensor]:
-        """The image tensors of a batch, in image order, batched as :attr:`image_inputs` says."""
-        from .._collate import concat, pad_and_concat
-
-        if not images:
-            w, h = self.dummy_size
-            empty = self.placeholder(w, h)
-            import torch
-
-            return {k: torch.from_numpy(empty[k][:0]) for k in self.image_inputs}
-        out: dict[str, torch.Tensor] = {}
-        for key, how in self.image_inputs.items():
-            tensors = [image[key] for image in images]
-            out[key] = concat(tensors) if how == "cat" else pad_and_concat(tensors)
-        return out
-
     def position_ids(
         self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
     ) -> torch.Tensor:
@@ -355,8 +332,6 @@ class Family(ABC):
 
         The returned refs carry their spans, this family's name and fingerprint.
         """
-        from .._models import ImageRef
-
         token_list = [int(t) for t in token_ids]
         positions = [i for i, t in enumerate(token_list) if t == self.image_token_id]
         if len(positions) != len(media):

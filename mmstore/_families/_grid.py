@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._exceptions import ImageSizeError, UnsupportedProcessorError
-from ._base import Collation, Family, size_value
+from mmstore._exceptions import ImageSizeError, UnsupportedProcessorError
+from mmstore._families._base import Collation, Family, size_value
 
 
 class GridFamily(Family):

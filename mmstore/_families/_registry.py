@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .._exceptions import InvalidArgumentError, UnsupportedProcessorError
-from ._base import Family, Layout
+from mmstore._exceptions import InvalidArgumentError, UnsupportedProcessorError
+from mmstore._families._base import Family, Layout
 
 _TF = "transformers.models."
 
@@ -119,7 +119,9 @@ def adapter_for(processor: Any, *, image_token_id: int | None = None) -> Family:
             + ", ".join(f"{k.rpartition('.')[2]} ({v})" for k, v in sorted(_PROCESSORS.items()))
             + "; a subclass needs its own family (mmstore.register_family)"
         )
-    return family_class(name).from_processor(processor, image_token_id=image_token_id)
+    adapter = family_class(name).from_processor(processor, image_token_id=image_token_id)
+    register_layout(adapter.layout)  # readers of this process can now redo its layout math
+    return adapter
 
 
 def register_layout(layout: Layout) -> None:

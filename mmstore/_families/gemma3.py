@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
-from ._base import Collation, Family, size_value
+from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
+from mmstore._families._base import Collation, Family, size_value
 
 if TYPE_CHECKING:
-    from .._models import ImageRef
+    from mmstore._format.models import ImageRef
 
 # Soft tokens per image of the published models: `mm_tokens_per_image` in their config.json
 # and `Gemma3Processor(image_seq_length=256)`'s default.

@@ -27,8 +27,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._exceptions import InvalidRolloutError
-from ._grid import SmartResizeFamily, weightless_rope_index
+from mmstore._exceptions import InvalidRolloutError
+from mmstore._families._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .._exceptions import UnsupportedProcessorError
-from ._base import size_value
-from ._grid import GridFamily
+from mmstore._exceptions import UnsupportedProcessorError
+from mmstore._families._base import size_value
+from mmstore._families._grid import GridFamily
 
 
 class KimiK25(GridFamily):

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
-from ._base import Collation, Family, Layout, size_value
+from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
+from mmstore._families._base import Collation, Family, Layout, size_value
 
 if TYPE_CHECKING:
-    from .._models import ImageRef
+    from mmstore._format.models import ImageRef
 
 # The processor's spatial merge with an image processor alone, which does not know it:
 # Mistral-Small-3.1 / 3.2 (Mistral3ForConditionalGeneration) publish patch_size 14,

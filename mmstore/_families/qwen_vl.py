@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._grid import SmartResizeFamily, weightless_rope_index
+from mmstore._families._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._exceptions import (
+from mmstore._exceptions import (
     DecompressionBombError,
     HashMismatchError,
     ImageDecodeError,
@@ -35,11 +35,11 @@ from .._exceptions import (
     UntrustedURIError,
     WireFormatError,
 )
-from .._families import adapter_for
-from .._models import ImageRef
-from .._store import Store
-from ..wire import decode
-from ._lru import SingleFlightLRU
+from mmstore._families import adapter_for
+from mmstore._format.models import ImageRef
+from mmstore._rows.store import Store
+from mmstore.integrations._single_flight import SingleFlightLRU
+from mmstore.wire import decode
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +222,16 @@ class RefResolver:
         return Materialized(tensors, pil.width, pil.height)
 
     def _inputs(self, refs: Sequence[ImageRef], images: Sequence[Materialized]) -> dict[str, Any]:
-        import torch
+        import torch  # torch, and so the loader's stacking, only once images are served
+
+        from mmstore._loading.stack import batch_images
 
         # Views of the read-only cache entries, no copy: collation concatenates into new
         # memory and never writes its inputs (torch warns about any non-writable array).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             views = [{k: torch.from_numpy(v) for k, v in m.tensors.items()} for m in images]
-        batched = self.adapter.collate_images(views)
+        batched = batch_images(self.adapter, views)
         return {
             **{k: v.numpy() for k, v in batched.items()},
             "hashes": [ref.hash for ref in refs],

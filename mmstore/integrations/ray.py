@@ -34,16 +34,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from .._exceptions import InvalidArgumentError, MmstoreError
-from .._rowcheck import FILE_COLUMN, ROW_COLUMNS, conform
-from .._scan import take_snapshot
+from mmstore._exceptions import InvalidArgumentError, MmstoreError
+from mmstore._format.schema import FILE_COLUMN, ROW_COLUMNS
+from mmstore._rows.files import conform
+from mmstore._rows.snapshot import take_snapshot
 
 if TYPE_CHECKING:
     import ray.data
     import torch
 
-    from .._dataset import RolloutLoader
-    from .._store import Store
+    from mmstore._loading.dataset import RolloutLoader
+    from mmstore._rows.store import Store
 
 __all__ = ["iter_batches", "read_rollouts"]
 
@@ -75,8 +76,11 @@ class _Materialize:
     def __init__(self, store: Store, image_processor: Any, dtype: str, missing: str) -> None:
         import torch
 
-        from .._families import adapter_for
-        from .._materialize import Materializer
+        from mmstore._families import adapter_for
+        from mmstore._loading.materialize import Materializer
+        from mmstore._loading.stack import batch_images
+
+        self.batch_images = batch_images
 
         self.materializer = Materializer(
             store,
@@ -94,7 +98,7 @@ class _Materialize:
         runs, steps = batch.column("run_id").to_pylist(), batch.column("step").to_pylist()
         samples = self.materializer.samples(table)
         for run_id, step, sample in zip(runs, steps, samples, strict=True):
-            images = self.materializer.adapter.collate_images(sample.images)
+            images = self.batch_images(self.materializer.adapter, sample.images)
             record = {
                 "run_id": run_id,
                 "step": step,

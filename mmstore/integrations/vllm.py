@@ -34,12 +34,12 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
-from .._exceptions import InvalidRolloutError, MmstoreError
-from .._families import Family, family_for_layout, layout_for_fingerprint
-from .._media import probe
-from .._models import ImageRef, Rollout
-from .._store import Store
-from ._resolver import (
+from mmstore._exceptions import InvalidRolloutError, MmstoreError
+from mmstore._families import Family, family_for_layout, layout_for_fingerprint
+from mmstore._format.media import probe
+from mmstore._format.models import ImageRef, Rollout
+from mmstore._rows.store import Store
+from mmstore.integrations._resolver import (
     DEFAULT_CACHE_BYTES,
     Materialized,
     RefRefused,

@@ -1,0 +1,301 @@
+"""Pydantic models at the edges: one stored media file, one image ref, one rollout row.
+
+Models validate what callers hand in; the hot read path works on Arrow columns directly and
+never builds these objects.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from mmstore._exceptions import InvalidRolloutError
+from mmstore._format.schema import ROLLOUT_SCHEMA
+
+HASH_PATTERN = r"^[0-9a-f]{32}$"
+INT32_MAX = 2**31 - 1
+
+# Keys of dense multimodal tensors that trainers ship around; a rollout never carries them.
+DENSE_KEYS = frozenset(
+    {
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "image_embeds",
+        "multi_modal_inputs",
+        "multi_modal_data",
+    }
+)
+
+
+class MediaRef(BaseModel):
+    """One content-addressed media file in a store."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hash: str = Field(pattern=HASH_PATTERN)
+    uri: str = Field(min_length=1)
+    width: int = Field(gt=0, le=INT32_MAX)
+    height: int = Field(gt=0, le=INT32_MAX)
+    nbytes: int | None = Field(default=None, ge=0)
+
+
+class ImageRef(BaseModel):
+    """One image of a rollout: where its bytes are, and the token span it fills."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str = Field(min_length=1)
+    hash: str = Field(pattern=HASH_PATTERN)
+    width: int = Field(gt=0, le=INT32_MAX)
+    height: int = Field(gt=0, le=INT32_MAX)
+    nbytes: int | None = Field(default=None, ge=0)
+    offset: int = Field(ge=0, le=INT32_MAX)
+    length: int = Field(gt=0, le=INT32_MAX)
+    family: str = Field(min_length=1)
+    layout_fingerprint: str = Field(min_length=1)
+    payload: str | None = None
+
+
+def _to_list(value: Any) -> Any:
+    # numpy arrays and torch tensors arrive from rollout code; store them as plain lists.
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+# The store keeps float32; rounding on validation makes a Rollout equal itself after a round
+# trip through Arrow, and refuses finite values that float32 would turn into infinity.
+_FLOAT32 = struct.Struct("<f")
+
+
+def _float32_array(values: list[float]) -> np.ndarray:
+    return _float32_arrays(values)[1]
+
+
+def _float32_arrays(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` as float64 and rounded to float32, refusing finite values beyond float32."""
+    wide = np.fromiter(values, dtype=np.float64, count=len(values))  # ~20% under asarray
+    with np.errstate(over="ignore"):
+        narrow = wide.astype(np.float32)
+    if np.any(np.isinf(narrow) & np.isfinite(wide)):
+        raise ValueError("value out of float32 range")
+    return wide, narrow
+
+
+def _as_float32(value: float) -> float:
+    # One number: struct's C conversion (no numpy call, ~50x cheaper) rounds the same way
+    # and raises OverflowError for a finite value beyond float32; inf and nan pass.
+    try:
+        return float(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+    except OverflowError:
+        raise ValueError("value out of float32 range") from None
+
+
+def _int32_array(values: list[int]) -> np.ndarray:
+    """Token ids as int32, refusing ids outside int32: numpy raises OverflowError for any
+    Python int beyond the dtype, so one pass converts and checks (~25% under asarray)."""
+    try:
+        return np.fromiter(values, dtype=np.int32, count=len(values))
+    except OverflowError:
+        raise ValueError("token ids must fit in int32") from None
+
+
+# The dtype each per-token list is stored as (the Parquet schema's list element types).
+LIST_DTYPES: dict[str, Any] = {"tokens": np.int32, "loss_mask": np.bool_, "logprobs": np.float32}
+
+
+class _Arrays:
+    """numpy arrays of a Rollout's per-token lists, made while validating them.
+
+    Validation already converts ``tokens`` (range check) and ``logprobs`` (float32
+    rounding) to numpy; the writer encodes exactly those arrays instead of converting the
+    lists again (each conversion costs ~20 ns an element: most of a write). Each array is
+    kept with a snapshot of the list it came from, and used only while the row's list still
+    equals that snapshot (:func:`list_array`): a list replaced or changed in place after
+    validation is converted afresh. Not part of a row's value: every ``_Arrays`` compares
+    equal, and pickles and deep copies start empty. The writer releases them once it holds
+    the arrays, and rows read back from a store never keep them.
+    """
+
+    __slots__ = ("cached",)
+
+    def __init__(self) -> None:
+        self.cached: dict[str, tuple[list[Any], np.ndarray]] = {}
+
+    def keep(self, name: str, values: list[Any], array: np.ndarray) -> None:
+        array.flags.writeable = False  # shared by every writer the row goes to
+        self.cached[name] = (list(values), array)
+
+    def release(self) -> None:
+        """Drop the arrays and snapshots (a third more memory than the row's lists): once
+        the writer holds the arrays, or for rows read back, which no writer needs."""
+        self.cached.clear()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Arrays)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Arrays, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Arrays:
+        return _Arrays()
+
+
+class Rollout(BaseModel):
+    """One training sample: tokens, masks, signals and image refs (never pixels).
+
+    Construction failures raise :class:`InvalidRolloutError` naming the sample.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    sample_id: str = Field(min_length=1)
+    group_id: str | None = None
+    tokens: list[int]
+    prompt_len: int = Field(ge=0, le=INT32_MAX)
+    loss_mask: list[bool]
+    logprobs: list[float] | None = None
+    reward: float | None = None
+    advantage: float | None = None
+    images: list[ImageRef] = Field(default_factory=list)
+    metadata: str | None = None
+    _arrays: _Arrays = PrivateAttr(default_factory=_Arrays)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _invalid_rollout(exc, data) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Rollout:
+        """Like pydantic's, but failures are :class:`InvalidRolloutError` as in ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise _invalid_rollout(exc, obj) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_dense_tensors(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            dense = sorted(DENSE_KEYS & data.keys())
+            if dense:
+                raise ValueError(
+                    f"dense multimodal tensors {dense} beside image refs are refused: rows "
+                    "carry refs, pixels are materialized by the reader"
+                )
+        return data
+
+    @field_validator("tokens", "loss_mask", "logprobs", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _to_list(value)
+
+    @field_validator("reward", "advantage")
+    @classmethod
+    def _float32_scalar(cls, value: float | None) -> float | None:
+        return None if value is None else _as_float32(value)
+
+    @model_validator(mode="after")
+    def _per_token_arrays(self) -> Rollout:
+        # After pydantic's per-element checks, so that the arrays are built from validated
+        # lists only; their errors name the field as pydantic's do.
+        try:
+            field = "tokens"
+            self._arrays.keep(field, self.tokens, _int32_array(self.tokens))
+            # Validated masks hold Python bools only, which bytes() packs one per byte (3x
+            # faster than np.asarray; the fallback in list_array converts anything else).
+            mask = np.frombuffer(bytes(self.loss_mask), dtype=np.bool_)
+            self._arrays.keep("loss_mask", self.loss_mask, mask)
+            if self.logprobs is not None:
+                field = "logprobs"
+                wide, narrow = _float32_arrays(self.logprobs)
+                # Logprobs from a model are float32 already: then the validated list holds
+                # exactly the rounded values, and rebuilding it (tolist) would change nothing.
+                if not (wide == narrow).all():  # (a nan takes the tolist path: also right)
+                    self.logprobs = narrow.tolist()
+                self._arrays.keep(field, self.logprobs, narrow)
+        except ValueError as exc:
+            raise InvalidRolloutError(
+                f"invalid rollout: {field}: {exc}", sample_id=self.sample_id
+            ) from None
+        return self
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_json(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        return json.dumps(value, sort_keys=True, default=str)
+
+
+def _invalid_rollout(exc: ValidationError, data: Any) -> InvalidRolloutError:
+    for err in exc.errors():  # model_validate runs __init__: keep its error, unwrapped
+        if isinstance(original := err.get("ctx", {}).get("error"), InvalidRolloutError):
+            return original
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'row'}: {err['msg']}" for err in exc.errors()[:5]
+    )
+    sample_id = data.get("sample_id") if isinstance(data, dict) else None
+    return InvalidRolloutError(f"invalid rollout: {problems}", sample_id=sample_id)
+
+
+def list_array(rollout: Rollout, name: str) -> np.ndarray | None:
+    """The per-token list ``name`` of ``rollout`` as a numpy array of its stored dtype.
+
+    The array validation made when the list still equals what was validated (a list
+    comparison: identical elements compare by identity, ~1 ns each); otherwise a fresh
+    conversion with the same checks, raising :class:`InvalidRolloutError`.
+    """
+    values = getattr(rollout, name)
+    if values is None:
+        return None
+    cached = rollout._arrays.cached.get(name)
+    if cached is not None and type(values) is list and cached[0] == values:
+        return cached[1]
+    try:
+        if name == "tokens":
+            return _int32_array(values)
+        if name == "logprobs":
+            return _float32_array(values)
+        return np.asarray(values, dtype=LIST_DTYPES[name])
+    except (ValueError, TypeError) as exc:
+        raise InvalidRolloutError(
+            f"invalid rollout: {name}: {exc}", sample_id=rollout.sample_id
+        ) from None
+
+
+def released(rollout: Rollout) -> Rollout:
+    """``rollout`` without its validation arrays (:meth:`_Arrays.release`)."""
+    rollout._arrays.release()
+    return rollout
+
+
+def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
+    """Rollouts as an Arrow table of the v1 schema."""
+    rows = [r.model_dump() for r in rollouts]
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+
+
+def table_to_rollouts(table: pa.Table | pa.RecordBatch) -> list[Rollout]:
+    """Arrow rows (of the v1 schema, any extra columns ignored) back as Rollouts."""
+    names = [f.name for f in ROLLOUT_SCHEMA]
+    rows = table.select(names).to_pylist()
+    return [released(Rollout(**{k: row[k] for k in names})) for row in rows]

@@ -1,0 +1,170 @@
+"""export: chosen rows and exactly the media they reference, as a new self-contained store.
+
+Selection is by partition (runs, steps), so whole committed files are chosen and copied byte
+for byte: rows, row groups and file metadata stay exact, and store-relative URIs
+(``media/ab/cd/<hash>.png``) resolve in the new store as they did in the old one.
+
+Refs to external media (absolute ``file://`` / ``s3://`` URIs under a trusted root) would
+tie the export to machines that can reach them, so their bytes are copied into the export's
+``media/`` and the rows of those files are rewritten to the store-relative URI; only the
+``uri`` field changes. Every media file is hash-checked when read from the source and again
+when read back from the export; every Parquet file is read back and compared too. Media is
+written before the rows that reference it, as the writer does, so an interrupted export
+leaves a valid (partial) store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mmstore._exceptions import (
+    DestinationExistsError,
+    HashMismatchError,
+    MmstoreError,
+    NoMatchError,
+    NotAStoreError,
+)
+from mmstore._format.media import FORMAT_EXTENSIONS, content_hash, media_path, probe
+from mmstore._format.schema import check_schema_version
+from mmstore._progress import bar
+from mmstore._rows.files import (
+    flatten_refs,
+    location,
+    open_rollout_file,
+    read_ref_columns,
+    select_files,
+)
+from mmstore._rows.store import Store
+from mmstore._rows.writer import parquet_options
+
+if TYPE_CHECKING:
+    from mmstore._storage.backends import Backend
+
+COPY_THREADS = 8
+MediaKey = tuple[str, str]  # (uri, hash) as the source rows spell it
+
+
+def export(
+    store: Store,
+    dest: str | os.PathLike[str],
+    runs: str | Iterable[str] | None = None,
+    steps: int | range | Iterable[int] | None = None,
+    progress: bool | None = None,
+    *,
+    s3_options: dict[str, Any] | None = None,
+) -> Store:
+    """Copy the selected rows and their media into a new store at ``dest`` (a path or
+    ``s3://`` URI, empty or absent); return it, opened. ``s3_options`` open an S3 ``dest``
+    (default: the source store's)."""
+    files = [f.path for f in select_files(store, runs, steps)]
+    if not files:
+        raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
+    media: dict[MediaKey, dict[str, Any]] = {}  # each media key -> where it is first used
+    for path in files:
+        _collect_refs(store, path, media)
+    target = _create_empty(os.fspath(dest), store.s3_options if s3_options is None else s3_options)
+    with ThreadPoolExecutor(COPY_THREADS) as pool:
+        jobs = pool.map(lambda item: _copy_media(store, target, *item), media.items())
+        renamed = dict(
+            bar(jobs, total=len(media), desc="export: media", unit="file", progress=progress)
+        )
+    external = {uri: rel for (uri, _), rel in renamed.items() if uri != rel}
+    for path in bar(files, desc="export: rows", unit="file", progress=progress):
+        _copy_rollout_file(store, target, path, external)
+    return target
+
+
+def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]) -> None:
+    parquet = open_rollout_file(store, path)
+    check_schema_version(parquet.metadata.metadata, where=path)
+    refs = flatten_refs(read_ref_columns(parquet, file=path))
+    firsts = refs.group_by(["uri", "hash"], use_threads=False).aggregate(
+        [("sample_id", "first"), ("image_index", "first")]
+    )
+    for uri, digest, sample_id, index in zip(
+        *(firsts.column(c).to_pylist() for c in firsts.column_names), strict=True
+    ):
+        media.setdefault(
+            (uri, digest), {**location(path), "sample_id": sample_id, "image_index": index}
+        )
+
+
+def _create_empty(dest: str, s3_options: dict[str, Any]) -> Store:
+    options = s3_options if dest.startswith("s3://") else None
+    try:
+        Store.open(dest, s3_options=options)
+    except NotAStoreError:
+        # create=True refuses a location that holds anything at all.
+        return Store.open(dest, create=True, s3_options=options)
+    raise DestinationExistsError(
+        "export destination already holds a store; export into an empty one", root=dest
+    )
+
+
+def _copy_media(
+    store: Store, target: Store, key: MediaKey, where: dict[str, Any]
+) -> tuple[MediaKey, str]:
+    """Copy one media file, verified on both sides; return its store-relative URI there."""
+    uri, digest = key
+    try:
+        backend, rel = store.resolve(uri)
+        data = store.read_media(uri, digest)
+        if backend is not store.backend:  # external: into media/, under its canonical name
+            fmt, _, _ = probe(data, max_pixels=store.max_image_pixels, where=uri)
+            rel = media_path(digest, FORMAT_EXTENSIONS[fmt][0])
+    except MmstoreError as exc:  # name the row that needs these bytes
+        raise type(exc)(exc.message, **{**where, **exc.context}) from None
+    target.backend.write_atomic(rel, data, replace=False)
+    target.read_media(rel, digest)
+    return key, rel
+
+
+def _copy_rollout_file(store: Store, target: Store, path: str, external: dict[str, str]) -> None:
+    data = store.backend.read(path)
+    parquet = pq.ParquetFile(pa.BufferReader(data))
+    uris = read_ref_columns(parquet, file=path)
+    if external and set(flatten_refs(uris).column("uri").to_pylist()) & external.keys():
+        data = _rewrite_uris(parquet, external)
+    _write_verified(target.backend, path, data)
+
+
+def _write_verified(backend: Backend, rel: str, data: bytes) -> None:
+    if not backend.write_atomic(rel, data, replace=False):
+        raise DestinationExistsError("export destination already has this rollout file", file=rel)
+    if content_hash(backend.read(rel)) != content_hash(data):
+        raise HashMismatchError("rollout file read back from the export differs", file=rel)
+
+
+def _rewrite_uris(parquet: pq.ParquetFile, renamed: dict[str, str]) -> bytes:
+    """The same file, row group by row group, with external URIs replaced."""
+    metadata = {k: v for k, v in (parquet.metadata.metadata or {}).items() if k != b"ARROW:schema"}
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(sink, parquet.schema_arrow, **parquet_options()) as writer:
+        for i in range(parquet.num_row_groups):
+            group = parquet.read_row_group(i)
+            writer.write_table(_with_uris(group, renamed), row_group_size=max(1, group.num_rows))
+        writer.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _with_uris(table: pa.Table, renamed: dict[str, str]) -> pa.Table:
+    images = table.column("images").combine_chunks()
+    refs = images.values  # every ref of the chunk; ``images.offsets`` index into it
+    uris = pa.array([renamed.get(u, u) for u in refs.field("uri").to_pylist()], pa.string())
+    struct_type = refs.type
+    children = [
+        uris if struct_type.field(i).name == "uri" else refs.field(i)
+        for i in range(struct_type.num_fields)
+    ]
+    new_refs = pa.StructArray.from_arrays(
+        children, fields=[struct_type.field(i) for i in range(struct_type.num_fields)]
+    )
+    new_images = pa.ListArray.from_arrays(images.offsets, new_refs, type=images.type)
+    index = table.schema.get_field_index("images")
+    return table.set_column(index, table.schema.field(index), new_images)

@@ -1,0 +1,375 @@
+"""verify: every committed file reads, every ref resolves, every hash matches.
+
+Work is proportional to refs but Python runs per *distinct* (uri, hash, nbytes) of a file:
+refs are flattened with Arrow, checked once per distinct media, and only refs that fail are
+turned into Python problems (by a join back onto the flattened refs).
+
+``check_hashes=False`` is the metadata mode: footers, the ref leaf columns, one listing of
+``media/`` and sizes against ``nbytes``; no media bytes are read and rows are not checked.
+With ``check_hashes=True`` (the default) every row is decoded and checked as the loader
+checks it (spans against tokens, lengths, fields; see :func:`_row_problems` for what verify
+can and cannot know without a processor), and every distinct media file is read and hashed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from mmstore._exceptions import (
+    InvalidRolloutError,
+    MmstoreError,
+    SchemaVersionError,
+    UntrustedURIError,
+)
+from mmstore._families import Family, family_for_layout, layout_for_fingerprint, layout_from_record
+from mmstore._format.media import content_hash
+from mmstore._format.schema import META_LAYOUTS, ROW_COLUMNS, check_schema_version
+from mmstore._lifecycle.pins import read_pins
+from mmstore._progress import bar
+from mmstore._rows.check import RowWindow
+from mmstore._rows.files import (
+    HASH_RE,
+    check_value_counts,
+    conform,
+    flatten_refs,
+    location,
+    media_hash,
+    open_rollout_file,
+    read_ref_columns,
+    reading,
+)
+from mmstore._storage.store import MEDIA, PINS
+
+if TYPE_CHECKING:
+    from mmstore._rows.store import Store
+    from mmstore._storage.backends import Backend
+
+PROBLEM_KINDS = (
+    "unreadable_file",
+    "schema_version",
+    "missing_media",
+    "hash_mismatch",
+    "untrusted_uri",
+    "invalid_row",
+    "unknown_layout",
+)
+HASH_THREADS = 8
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # one of PROBLEM_KINDS
+    message: str
+    file: str | None = None
+    run_id: str | None = None
+    step: int | None = None
+    sample_id: str | None = None
+    image_index: int | None = None
+    uri: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    problems: list[Problem] = field(default_factory=list)
+    files_checked: int = 0
+    refs_checked: int = 0
+    media_checked: int = 0  # distinct media files stat'ed (and hashed, with check_hashes)
+    check_hashes: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verify(store: Store, check_hashes: bool = True, progress: bool | None = None) -> VerifyReport:
+    """Check the whole store; problems are listed by file, run, step, sample and image."""
+    # Files before media: a file committed before this listing had its media in place
+    # before its commit, so the media listing below sees it even with writers running.
+    files = store.rollout_files()
+    checker = _MediaChecker(store, check_hashes)
+    problems: list[Problem] = []
+    refs = 0
+    seen_samples: dict[str, set[str]] = {}
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for stat in bar(files, desc="verify", unit="file", progress=progress):
+            found, count = _verify_file(store, stat.path, checker, pool, seen_samples)
+            problems += found
+            refs += count
+    problems += _verify_pins(store, checker)
+    return VerifyReport(
+        ok=not problems,
+        problems=problems,
+        files_checked=len(files),
+        refs_checked=refs,
+        media_checked=checker.checked,
+        check_hashes=check_hashes,
+    )
+
+
+def _verify_file(
+    store: Store,
+    path: str,
+    checker: _MediaChecker,
+    pool: ThreadPoolExecutor,
+    seen_samples: dict[str, set[str]],
+) -> tuple[list[Problem], int]:
+    where = location(path)
+    try:
+        parquet = open_rollout_file(store, path)
+        check_schema_version(parquet.metadata.metadata, where=path)
+        problems: list[Problem] = []
+        if checker.check_hashes:
+            # Every page decoded, and every row checked as the loader checks it.
+            rows = conform(_decode_every_page(parquet, path), ROW_COLUMNS, file=path)
+            problems = _row_problems(store, rows, parquet.metadata.metadata, where)
+        columns = read_ref_columns(parquet, file=path)
+        with reading(path):  # a file without page checksums may still hold invalid UTF-8
+            sample_ids = columns.column("sample_id").to_pylist()
+            refs = flatten_refs(columns)
+            distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
+            keys = list(
+                zip(
+                    *(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")),
+                    strict=True,
+                )
+            )
+    except SchemaVersionError as exc:
+        return [Problem("schema_version", exc.message, **where)], 0
+    except (MmstoreError, OSError, pa.ArrowException) as exc:
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        return [Problem("unreadable_file", message, **where)], 0
+    problems += _duplicate_samples(sample_ids, seen_samples, where)
+    checker.check_all(keys, pool)
+    bad = [(key, found) for key in keys if (found := checker.results[key]) is not None]
+    if bad:
+        problems += _ref_problems(refs, bad, where)
+    return problems, refs.num_rows
+
+
+def _decode_every_page(parquet: pq.ParquetFile, path: str) -> pa.Table:
+    """Read every page (checking its CRC and value counts) and validate the Arrow data
+    (UTF-8, offsets), row group by row group; the whole file's rows."""
+    tables = []
+    for i in range(parquet.metadata.num_row_groups):
+        with reading(path):
+            table = parquet.read_row_group(i)
+            table.validate(full=True)
+        check_value_counts(parquet.metadata, i, table, path)
+        tables.append(table)
+    if not tables:
+        return parquet.schema_arrow.empty_table()
+    return pa.concat_tables(tables)
+
+
+def _row_problems(
+    store: Store, rows: pa.Table, footer: dict[bytes, bytes] | None, where: dict[str, Any]
+) -> list[Problem]:
+    """The loader's row checks (:mod:`._rowcheck`) on every row of one file.
+
+    verify has no processor: a ref's family comes from the layout record in the file's
+    footer when that record hashes to the ref's fingerprint, else from a layout built in
+    this process (``mmstore.adapter_for``). A fingerprint neither knows is reported as
+    ``unknown_layout``: its spans cannot be checked here, and the loader refuses it unless
+    its processor has exactly that layout. Token ids come from the footer record (the
+    writer's tokenizer) or the family's published ids: verify cannot know the tokenizer a
+    trainer will use, so the loader checks again with its own.
+    """
+    families = _footer_families(footer)
+    window = RowWindow(
+        rows,
+        lambda fp, name: _family_for(families, fp, name),
+        max_pixels=store.max_image_pixels,
+        image_token_ids=sorted({t for f in families.values() for t in f.special_token_ids}),
+        file=where["file"],
+    )
+    problems = []
+    for i in range(window.num_rows):
+        try:
+            window.check(i)
+        except MmstoreError as exc:
+            kind = "unknown_layout" if isinstance(exc, _UnknownLayout) else "invalid_row"
+            context = {k: v for k, v in exc.context.items() if k in _PROBLEM_CONTEXT}
+            problems.append(Problem(kind, exc.message, **{**where, **context}))
+    return problems
+
+
+_PROBLEM_CONTEXT = ("sample_id", "image_index")
+
+
+class _UnknownLayout(InvalidRolloutError):
+    """A fingerprint that neither the footer nor this process can lay out."""
+
+
+def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
+    """Fingerprint -> Family, from the footer's layout records that hash to their key."""
+    try:
+        records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
+    except ValueError:
+        return {}
+    if not isinstance(records, dict):
+        return {}
+    families = {}
+    for fingerprint, record in records.items():
+        try:
+            layout = layout_from_record(record)
+            hash(layout)  # forged parameter values may be lists or dicts
+        except (MmstoreError, TypeError, ValueError):
+            continue  # an unknown family or a forged record: not evidence of anything
+        if layout.fingerprint == fingerprint:
+            families[fingerprint] = family_for_layout(layout)
+    return families
+
+
+def _family_for(families: dict[str, Family], fingerprint: str, name: str) -> Family:
+    family = families.get(fingerprint)
+    if family is None:
+        layout = layout_for_fingerprint(fingerprint)
+        if layout is None:
+            raise _UnknownLayout(
+                f"layout fingerprint {fingerprint!r} is in neither the file's footer nor this "
+                "process: its spans cannot be checked without the processor"
+            )
+        family = families[fingerprint] = family_for_layout(layout)
+    if family.family != name:
+        raise InvalidRolloutError(
+            f"ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
+        )
+    return family
+
+
+def _duplicate_samples(
+    sample_ids: list[str], seen: dict[str, set[str]], where: dict[str, Any]
+) -> list[Problem]:
+    run = seen.setdefault(where["run_id"] or where["file"], set())
+    problems = []
+    for sample_id in sample_ids:
+        if sample_id in run:
+            problems.append(
+                Problem(
+                    "invalid_row", "sample_id repeated within the run", sample_id=sample_id, **where
+                )
+            )
+        run.add(sample_id)
+    return problems
+
+
+def _ref_problems(
+    refs: pa.Table, bad: list[tuple[tuple[Any, ...], tuple[str, str]]], where: dict[str, Any]
+) -> list[Problem]:
+    """Join the failing (uri, hash, nbytes) back onto the refs that carry them."""
+    failing = pa.table(
+        {
+            "uri": [k[0] for k, _ in bad],
+            "hash": [k[1] for k, _ in bad],
+            "nbytes_key": pa.array([-1 if k[2] is None else k[2] for k, _ in bad], pa.int64()),
+            "kind": [p[0] for _, p in bad],
+            "message": [p[1] for _, p in bad],
+        }
+    )
+    keyed = refs.append_column("nbytes_key", pc.fill_null(refs.column("nbytes"), -1))
+    joined = keyed.join(failing, keys=["uri", "hash", "nbytes_key"], join_type="inner")
+    joined = joined.sort_by([("row", "ascending"), ("image_index", "ascending")])
+    return [
+        Problem(
+            r["kind"],
+            r["message"],
+            sample_id=r["sample_id"],
+            image_index=r["image_index"],
+            uri=r["uri"],
+            **where,
+        )
+        for r in joined.select(["kind", "message", "sample_id", "image_index", "uri"]).to_pylist()
+    ]
+
+
+def _verify_pins(store: Store, checker: _MediaChecker) -> list[Problem]:
+    try:
+        pins = read_pins(store)
+    except MmstoreError as exc:  # reported, not raised: verify lists everything it finds
+        return [Problem("unreadable_file", exc.message, file=exc.context.get("file", PINS))]
+    present = checker.present_hashes()
+    return [
+        Problem(
+            "missing_media", f"pinned hash {digest} is not in the store", file=f"{PINS}/{name}.json"
+        )
+        for name, hashes in pins.items()
+        for digest in sorted(hashes - present)
+    ]
+
+
+class _MediaChecker:
+    """Checks each distinct (uri, hash, nbytes) once; results are (kind, message) or None."""
+
+    def __init__(self, store: Store, check_hashes: bool) -> None:
+        self.store = store
+        self.check_hashes = check_hashes
+        self.results: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+        self._files: dict[tuple[int, str], tuple[int | None, str | None]] = {}
+        # One listing of media/ answers every store-relative existence and size question.
+        self._listing = {m.path: m.size for m in store.backend.list(MEDIA)}
+
+    @property
+    def checked(self) -> int:
+        return len(self._files)
+
+    def present_hashes(self) -> set[str]:
+        return {h for p in self._listing if (h := media_hash(p)) is not None}
+
+    def check_all(self, keys: Iterable[tuple[Any, ...]], pool: ThreadPoolExecutor) -> None:
+        new = [k for k in keys if k not in self.results]
+        # Without hashing, store media is answered from the listing: threads would only add
+        # overhead. Reading and hashing bytes is I/O and releases the GIL: threads help.
+        results = pool.map(self._check, new) if self.check_hashes else map(self._check, new)
+        for key, result in zip(new, results, strict=True):
+            self.results[key] = result
+
+    def _check(self, key: tuple[Any, ...]) -> tuple[str, str] | None:
+        uri, digest, nbytes = key
+        if not isinstance(digest, str) or not HASH_RE.match(digest):
+            return ("invalid_row", f"hash {digest!r} is not 32 lowercase hex digits")
+        try:
+            backend, rel = self.store.resolve(uri)
+        except UntrustedURIError as exc:
+            return ("untrusted_uri", exc.message)
+        if backend is self.store.backend and media_hash(rel) != digest:
+            return ("hash_mismatch", f"store path {rel!r} is not the path of hash {digest}")
+        size, actual = self._file(backend, rel)
+        if size is None:
+            return ("missing_media", "media file not found")
+        if nbytes is not None and size != nbytes:
+            return ("hash_mismatch", f"media file has {size} bytes, the ref records {nbytes}")
+        if actual is not None and actual != digest:
+            return ("hash_mismatch", f"media bytes hash to {actual}, the ref says {digest}")
+        return None
+
+    def _file(self, backend: Backend, rel: str) -> tuple[int | None, str | None]:
+        """(size or None if absent, content hash if check_hashes), once per file."""
+        key = (id(backend), rel)
+        if key not in self._files:
+            self._files[key] = self._inspect(backend, rel)
+        return self._files[key]
+
+    def _inspect(self, backend: Backend, rel: str) -> tuple[int | None, str | None]:
+        if backend is self.store.backend:
+            size = self._listing.get(rel)
+        else:
+            stat = backend.stat(rel)
+            size = None if stat is None else stat.size
+        if size is None or not self.check_hashes:
+            return size, None
+        try:
+            data = backend.read(rel)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None, None
+        return len(data), content_hash(data)

@@ -1,0 +1,10 @@
+"""Loading: committed rows to torch batches, in DataLoader workers.
+
+Owns the public dataset and loader (:mod:`.dataset`), the value object describing what to
+read (:mod:`.spec`), materializing images (:mod:`.materialize`: hash check, decode,
+processor, dtype cast), collating padded and packed batches (:mod:`.collate`,
+:mod:`.microbatch`, :mod:`.packed`), the pixel caches (:mod:`.cache` per process,
+:mod:`.node_cache` per node), worker plumbing (:mod:`.workers`, :mod:`.buffers`), the device
+stage (:mod:`.device`, :mod:`.distinct`) and S3 read-ahead (:mod:`.prefetch`). Needs torch.
+May import ``_planning`` and below.
+"""

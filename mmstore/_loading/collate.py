@@ -1,0 +1,97 @@
+"""Samples -> one right-padded batch, in the tensors the sample's model family takes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mmstore._loading.device import collate_images
+from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY
+from mmstore._loading.materialize import Sample
+from mmstore._tensors import cast_floats
+
+if TYPE_CHECKING:
+    from mmstore._families import Family
+
+
+def collate(
+    samples: Sequence[Sample],
+    family: Family,
+    *,
+    pad_token_id: int | None = None,
+    dummy_image: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    distinct_images: bool = False,
+) -> dict[str, Any]:
+    """Pad and stack ``samples``; image tensors batched as ``family`` says.
+
+    With ``dummy_image``, a batch without any image gets one tiny zero image appended after
+    the first sample's tokens, attended (so position ids see it) but never in the loss, so
+    every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`._distinct`.
+    """
+    samples = list(samples)
+    pad = family.pad_token_id if pad_token_id is None else pad_token_id
+    extra = dummy(family, dtype) if dummy_image and not any(s.images for s in samples) else None
+    lengths = [len(s.input_ids) for s in samples]
+    if extra is not None and samples:
+        lengths[0] += len(extra[0])
+    width = max(lengths, default=0)
+    batch = len(samples)
+    input_ids = torch.full((batch, width), pad, dtype=torch.int64)
+    attention_mask = torch.zeros((batch, width), dtype=torch.int64)
+    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    images: list[dict[str, torch.Tensor]] = []
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[i, :n] = s.input_ids
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = s.loss_mask
+        if s.logprobs is not None:
+            logprobs[i, :n] = s.logprobs
+        images.extend(s.images)
+    if extra is not None and samples:
+        tokens, tensors = extra
+        n = len(samples[0].input_ids)
+        input_ids[0, n : n + len(tokens)] = tokens
+        attention_mask[0, n : n + len(tokens)] = 1
+        images.append(tensors)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        **family.token_types(input_ids),
+        **(
+            collate_images(family, images, distinct_images=distinct_images)
+            if images
+            else no_images(family, distinct_images)
+        ),
+        "logprobs": logprobs,
+        "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "prompt_lens": torch.tensor([s.prompt_len for s in samples], dtype=torch.int64),
+        "sample_ids": [s.sample_id for s in samples],
+        "group_ids": [s.group_id for s in samples],
+        "images_missing": sum(1 for s in samples if s.missing_uris),
+        "missing_uris": [uri for s in samples for uri in s.missing_uris],
+        "dummy_image": extra is not None,
+    }
+
+
+def dummy(family: Family, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The family's smallest image as zeros: its expansion and its tensors (train dtype)."""
+    width, height = family.dummy_size
+    tokens = torch.tensor(family.expansion_array(width, height), dtype=torch.int64)
+    return tokens, cast_floats(family.placeholder(width, height), dtype)
+
+
+def no_images(family: Family, distinct_images: bool) -> dict[str, Any]:
+    """The image inputs of a batch without images: None, every model's own "no images"
+    (their vision towers cannot run on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an
+    empty list, SigLIP and MoonViT reshape an empty batch)."""
+    out: dict[str, Any] = dict.fromkeys(family.image_inputs)
+    if distinct_images:
+        out.update({INDEX_KEY: torch.zeros(0, dtype=torch.int64), ROWS_KEY: {}})
+    return out

@@ -1,0 +1,105 @@
+"""Samples -> one packed micro-batch: ``[1, T]`` rows of several samples, each a segment.
+
+A segment is exactly one sample's tokens, with its own position ids (the family's, from 0, as
+if it ran alone) and its own ``cu_seqlens`` entry. Filler (a dummy image, or the token of a
+rank's padding micro-batch) is a segment of its own, with its own ``sample_ids`` entry, zero
+loss and ``is_filler`` set. M-RoPE families get a text row (0..len-1 per segment) before their
+3 rows, ``[4, 1, T]``: transformers reads sample boundaries from that row (a position that
+does not follow its predecessor by 1 starts a new sequence), for sdpa and eager masks alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mmstore._loading.collate import dummy
+from mmstore._loading.device import collate_images
+from mmstore._loading.materialize import Sample
+
+if TYPE_CHECKING:
+    from mmstore._families import Family
+
+FILLER_ID = "<filler>"
+
+
+def packed_input_names(family: Family) -> tuple[str, ...]:
+    """What the family's model takes from a packed micro-batch: position ids, no padding mask,
+    and ``use_cache=False``: transformers derives the per-sample block mask from the position
+    ids only without a KV cache, and an eval-mode model builds one by default, silently letting
+    packed samples attend to each other."""
+    names = [name for name in family.model_input_names if name != "attention_mask"]
+    return (names[0], "position_ids", *names[1:], "use_cache")
+
+
+def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch.Tensor:
+    """One segment's position ids: ``[1, L]`` (1-D RoPE) or ``[4, L]`` (text row + M-RoPE)."""
+    rows = family.position_ids(ids, images)
+    if family.position_rows == 1:
+        return rows.reshape(1, -1)
+    text = torch.arange(ids.shape[-1], dtype=torch.int64)[None]
+    return torch.cat([text, rows.to(torch.int64)])
+
+
+def pack(
+    samples: Sequence[Sample],
+    family: Family,
+    *,
+    add_dummy: bool,
+    dtype: torch.dtype,
+    pad_token_id: int | None = None,
+    distinct_images: bool = False,
+) -> dict[str, Any]:
+    """One micro-batch of ``samples`` (in order), plus a filler segment when needed.
+
+    ``add_dummy`` appends the family's zero dummy image as its own segment (another rank's
+    micro-batch of this index has images). An empty micro-batch without one gets a single pad
+    token, so every rank runs a forward pass.
+    """
+    segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]] = [
+        (s.input_ids, s.loss_mask, s.logprobs, list(s.images)) for s in samples
+    ]
+    filler = add_dummy or not samples
+    if add_dummy:
+        tokens, tensors = dummy(family, dtype)
+        segments.append((tokens, torch.zeros(len(tokens), dtype=torch.bool), None, [tensors]))
+    elif not samples:
+        pad = family.pad_token_id if pad_token_id is None else pad_token_id
+        segments.append((torch.tensor([pad]), torch.zeros(1, dtype=torch.bool), None, []))
+    lengths = [len(seg[0]) for seg in segments]
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    input_ids = torch.cat([seg[0] for seg in segments])[None]
+    pos = torch.cat([positions(family, seg[0], seg[3]) for seg in segments], dim=1)
+    fill = [FILLER_ID] if filler else []
+    batch: dict[str, Any] = {
+        "input_ids": input_ids,
+        "position_ids": pos if family.position_rows == 1 else pos[:, None, :],
+        "cu_seqlens": cu,
+        "use_cache": False,
+        "max_seqlen": max(lengths),
+        "loss_mask": torch.cat([seg[1] for seg in segments])[None],
+        **family.token_types(input_ids),
+        **collate_images(
+            family,
+            [image for seg in segments for image in seg[3]],
+            distinct_images=distinct_images,
+        ),
+        "sample_ids": [s.sample_id for s in samples] + fill,
+        "group_ids": [s.group_id for s in samples] + [None] * len(fill),
+        "is_filler": torch.tensor([False] * len(samples) + [True] * len(fill)),
+        "advantage": torch.tensor([s.advantage for s in samples] + [0.0] * len(fill)),
+        "reward": torch.tensor([s.reward for s in samples] + [0.0] * len(fill)),
+        "prompt_lens": torch.tensor([s.prompt_len for s in samples] + [0] * len(fill)),
+        "num_real_tokens": sum(lengths[: len(samples)]),
+        "images_missing": sum(1 for s in samples if s.missing_uris),
+        "missing_uris": [uri for s in samples for uri in s.missing_uris],
+        "dummy_image": add_dummy,
+    }
+    if samples and all(s.logprobs is not None for s in samples):
+        batch["logprobs"] = torch.cat(
+            [seg[2] if seg[2] is not None else torch.zeros(len(seg[0])) for seg in segments]
+        )[None].to(torch.float32)
+    return batch

@@ -1,0 +1,385 @@
+"""The reader's checks: committed rows are trusted only once checked.
+
+Files in ``rollouts/`` may come from any Parquet engine, a copy or a rotting disk, so the
+loader (and ``verify``) re-check every row it reads, with the writer's own span rule
+(:func:`._invariants.check_spans`), before a row becomes tensors:
+
+- the file's columns are cast to the v1 types (int64 tokens, large lists, another struct
+  field order read correctly) or refused naming the file (:func:`conform`);
+- each row's sizes are read from Arrow's list offsets before anything is converted: a row
+  above :data:`MAX_ROW_TOKENS` or :data:`MAX_ROW_IMAGES` is refused, and ``max_len``
+  truncation slices numpy views, so a forged row of millions of tokens costs no Python list;
+- masks have the tokens' length, fields are in range, hashes are hex, image sizes are within
+  the store's pixel limit (before any layout math or placeholder is computed), and the spans
+  of every image hold exactly their family's expansion with no stray image token (the whole
+  row, also where ``max_len`` keeps a part: a row refused whole is refused cut).
+
+A bad row raises a typed :class:`MmstoreError` naming the file, run, step and sample (and
+the image index where there is one); ``verify`` reports the same errors as problems.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mmstore._exceptions import InvalidRolloutError, MmstoreError
+from mmstore._families import Family
+from mmstore._format.models import ImageRef
+from mmstore._format.schema import FILE_COLUMN, ROLLOUT_SCHEMA, ROW_COLUMNS
+from mmstore._rows.files import location
+from mmstore._rows.invariants import check_spans, truncation_point
+
+# No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
+# KB of Parquet can claim far more, so the reader refuses it before building anything.
+MAX_ROW_TOKENS = 2**22
+# Real rows hold a handful of images, at most a few hundred (video frames).
+MAX_ROW_IMAGES = 2**14
+FamilyOf = Callable[[str, str], Family]  # (fingerprint, family name) -> Family, or raises
+
+
+@dataclass
+class CheckedRow:
+    """One row that passed every check, cut to ``max_len``: numpy views, kept refs only."""
+
+    sample_id: str
+    group_id: str | None
+    tokens: np.ndarray  # int32 [cut]
+    loss_mask: np.ndarray  # bool [cut]
+    logprobs: np.ndarray | None  # float32 [cut]
+    prompt_len: int
+    reward: float
+    advantage: float
+    images: list[ImageRef]
+    where: dict[str, Any] = field(default_factory=dict)  # file, run_id, step, sample_id
+
+
+class RowWindow:
+    """The rows of one Arrow table (the v1 loader columns, optionally ``_file``), checked
+    one at a time: :meth:`row` returns a :class:`CheckedRow` or raises.
+
+    Columns are turned into numpy once per window; per row only slices are taken, and
+    Python objects are built only for the kept part of a row that passed.
+    """
+
+    def __init__(
+        self,
+        table: pa.Table,
+        family_of: FamilyOf,
+        *,
+        max_pixels: int,
+        max_len: int | None = None,
+        image_token_ids: Iterable[int] = (),
+        file: str | None = None,
+    ) -> None:
+        self.num_rows = table.num_rows
+        self.family_of = family_of
+        self.max_pixels = max_pixels
+        self.max_len = max_len
+        self.image_token_ids = tuple(image_token_ids)
+        self._file = file
+        self._files = None
+        if FILE_COLUMN in table.column_names:
+            self._files = _codes(table.column(FILE_COLUMN).combine_chunks())
+        self._locations: dict[str | None, dict[str, Any]] = {}
+        col = {name: table.column(name).combine_chunks() for name in ROW_COLUMNS}
+        # One value per row: Python lists once a window are cheaper than a scalar per call.
+        self._scalars = {
+            name: col[name].to_pylist()
+            for name in ("sample_id", "group_id", "prompt_len", "reward", "advantage")
+        }
+        self.tokens = _ListColumn(col["tokens"], np.int32)
+        self.loss_mask = _ListColumn(col["loss_mask"], np.bool_)
+        self.logprobs = _ListColumn(col["logprobs"], np.float32)
+        self.images = _RefColumns(col["images"], max_pixels)
+        self._fields_ok = self._rows_fine(col)
+
+    def _rows_fine(self, col: dict[str, Any]) -> np.ndarray:
+        """Per row, vectorized over the window: True if :meth:`_check_fields` would pass
+        (rows that are not are re-checked one by one, to say what is wrong)."""
+        tokens, mask, logprobs = self.tokens, self.loss_mask, self.logprobs
+        n = np.diff(tokens.offsets)
+        prompt_len = pc.fill_null(col["prompt_len"], -1).to_numpy(zero_copy_only=False)
+        has_id = pc.fill_null(pc.greater(pc.utf8_length(col["sample_id"]), 0), False)
+        fine = (
+            tokens.valid_rows
+            & mask.valid_rows
+            & (n <= MAX_ROW_TOKENS)
+            & (np.diff(mask.offsets) == n)
+            & (~logprobs.valid_rows | (np.diff(logprobs.offsets) == n))
+            & (prompt_len >= 0)
+            & (prompt_len <= n)
+            & has_id.to_numpy(zero_copy_only=False)
+        )
+        if any(c.has_nulls for c in (tokens, mask, logprobs)):
+            fine[:] = False  # rare: let the row-by-row check find which rows
+        return fine
+
+    def where(self, i: int, sample_id: Any = None) -> dict[str, Any]:
+        file = self._file
+        if self._files is not None:
+            codes, names = self._files
+            file = names[codes[i]]
+        if file not in self._locations:
+            self._locations[file] = location(file) if file is not None else {}
+        return {**self._locations[file], "sample_id": sample_id}
+
+    def row(self, i: int) -> CheckedRow:
+        """Row ``i``, checked and cut; a typed error naming file, run, step and sample."""
+        sid = self._scalars["sample_id"][i]
+        where = self.where(i, sid)
+        try:
+            cut, lo, kept = self._check(i, sid)
+        except MmstoreError as exc:
+            raise type(exc)(exc.message, **{**exc.context, **where}) from None
+        s = self.tokens.start(i)
+        logprobs = None
+        if self.logprobs.valid(i):
+            logprobs = self.logprobs.values[self.logprobs.start(i) :][:cut]
+        scalar = self._scalars
+        return CheckedRow(
+            sample_id=sid,
+            group_id=scalar["group_id"][i],
+            tokens=self.tokens.values[s : s + cut],
+            loss_mask=self.loss_mask.values[self.loss_mask.start(i) :][:cut],
+            logprobs=logprobs,
+            prompt_len=min(scalar["prompt_len"][i], cut),
+            reward=_float(scalar["reward"][i]),
+            advantage=_float(scalar["advantage"][i]),
+            images=self.images.refs(lo, kept),
+            where=where,
+        )
+
+    def check(self, i: int) -> None:
+        """Only the checks of :meth:`row` (``verify``: nothing is built)."""
+        sid = self._scalars["sample_id"][i]
+        try:
+            self._check(i, sid)
+        except MmstoreError as exc:
+            raise type(exc)(exc.message, **{**exc.context, **self.where(i, sid)}) from None
+
+    def _check(self, i: int, sid: Any) -> tuple[int, int, int]:
+        """``(cut, first ref index, refs kept)`` of a row that passes; raises otherwise."""
+        n = self._check_fields(i, sid)
+        lo, hi = self.images.range(i)
+        s = self.tokens.start(i)
+        # The whole row is checked, whatever max_len keeps of it: a row refused without
+        # max_len is refused with it (a forged span past the cut is still a forged row).
+        if lo == hi:  # text only: the span rule reduces to "no image token anywhere"
+            check_spans(self.tokens.values[s : s + n], (), (), (), (), _none, self.image_token_ids)
+            return (n if self.max_len is None else min(n, self.max_len)), lo, 0
+        if hi - lo > min(n, MAX_ROW_IMAGES):
+            raise InvalidRolloutError(
+                f"{hi - lo} images for {n} tokens: more than the tokens (or "
+                f"{MAX_ROW_IMAGES}) can hold"
+            )
+        self.images.check_fields(lo, hi)
+        offsets = self.images.offset[lo:hi]
+        lengths = self.images.length[lo:hi]
+
+        def family_of(index: int) -> Family:
+            return self.family_of(*self.images.layout_of(lo + index))
+
+        check_spans(
+            self.tokens.values[s : s + n],
+            offsets,
+            lengths,
+            self.images.width[lo:hi],
+            self.images.height[lo:hi],
+            family_of,
+            self.image_token_ids,
+        )
+        if self.max_len is None:
+            return n, lo, hi - lo
+        cut, kept = truncation_point(offsets, lengths, n, self.max_len)
+        if cut == 0:
+            raise InvalidRolloutError(
+                f"max_len={self.max_len} cuts inside the first image; nothing would remain",
+                image_index=0,
+            )
+        return cut, lo, kept
+
+    def _check_fields(self, i: int, sid: Any) -> int:
+        """The row's scalar fields and list lengths; returns its token count."""
+        if self._fields_ok[i]:
+            return self.tokens.length(i)
+        if not isinstance(sid, str) or not sid:
+            raise InvalidRolloutError(f"sample_id {sid!r} is not a non-empty string")
+        if not self.tokens.valid(i) or not self.loss_mask.valid(i):
+            raise InvalidRolloutError("tokens and loss_mask must not be null")
+        n = self.tokens.length(i)
+        if n > MAX_ROW_TOKENS:
+            raise InvalidRolloutError(
+                f"{n} tokens exceed the {MAX_ROW_TOKENS} any row may hold (a forged row?)"
+            )
+        for name, lists in (("loss_mask", self.loss_mask), ("logprobs", self.logprobs)):
+            if lists.valid(i) and lists.length(i) != n:
+                raise InvalidRolloutError(f"{name} has {lists.length(i)} entries for {n} tokens")
+            if lists.valid(i) and lists.has_null(i):
+                raise InvalidRolloutError(f"{name} holds nulls")
+        if self.tokens.has_null(i):
+            raise InvalidRolloutError("tokens hold nulls")
+        prompt_len = self._scalars["prompt_len"][i]
+        if prompt_len is None or not 0 <= prompt_len <= n:
+            raise InvalidRolloutError(f"prompt_len {prompt_len} is not within the {n} tokens")
+        return n
+
+
+def _none(index: int) -> Family:
+    raise AssertionError("a row without images has no image family")
+
+
+def _float(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+class _ListColumn:
+    """A list column as numpy offsets, validity and flat values (one conversion a window)."""
+
+    def __init__(self, array: pa.ListArray, dtype: Any) -> None:
+        self.offsets = array.offsets.to_numpy()
+        self._valid = ~array.is_null().to_numpy(zero_copy_only=False)
+        values = array.values
+        self._value_nulls = None
+        if values.null_count:
+            self._value_nulls = values.is_null().to_numpy(zero_copy_only=False)
+            values = pc.fill_null(values, pa.scalar(0, values.type))
+        self.values = np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
+
+    @property
+    def valid_rows(self) -> np.ndarray:
+        return self._valid
+
+    @property
+    def has_nulls(self) -> bool:
+        return self._value_nulls is not None
+
+    def valid(self, i: int) -> bool:
+        return bool(self._valid[i])
+
+    def start(self, i: int) -> int:
+        return int(self.offsets[i])
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def has_null(self, i: int) -> bool:
+        if self._value_nulls is None:
+            return False
+        return bool(self._value_nulls[self.offsets[i] : self.offsets[i + 1]].any())
+
+
+_HASH_REGEX = "^[0-9a-f]{32}$"
+_REF_STRINGS = ("uri", "hash", "family", "layout_fingerprint")
+
+
+class _RefColumns:
+    """The ``images`` column flattened: numpy ints, per-ref validity, strings kept in Arrow."""
+
+    def __init__(self, array: pa.ListArray, max_pixels: int) -> None:
+        self.offsets = array.offsets.to_numpy()
+        self._valid_list = ~array.is_null().to_numpy(zero_copy_only=False)
+        refs = array.values
+        self._fields = {name: pc.struct_field(refs, name) for name in IMAGE_FIELDS}
+        ints = {}
+        for name in ("offset", "length", "width", "height"):
+            # A null (or a null ref) reads as -1: never a valid offset, length or size.
+            ints[name] = pc.fill_null(self._fields[name], -1).to_numpy().astype(np.int64)
+        self.offset, self.length = ints["offset"], ints["length"]
+        self.width, self.height = ints["width"], ints["height"]
+        self._problem = self._problems(max_pixels)
+        self._layouts: tuple[tuple[np.ndarray, list[Any]], ...] | None = None
+
+    def _problems(self, max_pixels: int) -> np.ndarray:
+        """Per ref: 0 if its fields are fine, else 1 + the index of its first failed check."""
+        size_ok = (self.width > 0) & (self.height > 0)
+        hash_ok = pc.fill_null(pc.match_substring_regex(self._fields["hash"], _HASH_REGEX), False)
+        failed = [
+            (self.offset < 0) | (self.length <= 0),
+            ~size_ok,
+            size_ok & (self.width * self.height > max_pixels),
+            ~hash_ok.to_numpy(zero_copy_only=False),
+            *(self._fields[n].is_null().to_numpy(zero_copy_only=False) for n in _REF_STRINGS),
+        ]
+        problem = np.zeros(len(self.offset), dtype=np.int8)
+        for code in range(len(failed), 0, -1):  # the first failed check wins
+            problem[failed[code - 1]] = code
+        self._max_pixels = max_pixels
+        return problem
+
+    def range(self, i: int) -> tuple[int, int]:
+        if not self._valid_list[i]:
+            raise InvalidRolloutError("images must be a list, not null")
+        return int(self.offsets[i]), int(self.offsets[i + 1])
+
+    def check_fields(self, lo: int, hi: int) -> None:
+        bad = np.flatnonzero(self._problem[lo:hi])
+        if not bad.size:
+            return
+        j = lo + int(bad[0])
+        o, n, w, h = (int(a[j]) for a in (self.offset, self.length, self.width, self.height))
+        messages = [
+            f"span [{o}, {o + n}) is not a span of tokens",
+            f"image size {w}x{h} is not positive",
+            f"image size {w}x{h} exceeds the store's limit of {self._max_pixels} pixels",
+            f"hash {self._fields['hash'][j].as_py()!r} is not 32 lowercase hex digits",
+            *(f"image {name} is null" for name in _REF_STRINGS),
+        ]
+        raise InvalidRolloutError(messages[self._problem[j] - 1], image_index=int(bad[0]))
+
+    def layout_of(self, j: int) -> tuple[str, str]:
+        if self._layouts is None:  # few distinct values: codes, not a string per ref
+            self._layouts = (
+                _codes(self._fields["layout_fingerprint"]),
+                _codes(self._fields["family"]),
+            )
+        (fp_codes, fps), (family_codes, families) = self._layouts
+        return fps[fp_codes[j]], families[family_codes[j]]
+
+    def hashes(self) -> list[str]:
+        """Every ref's hash, in row order (a null one left out: its row fails its check)."""
+        return [h for h in self._fields["hash"].to_pylist() if isinstance(h, str)]
+
+    def refs(self, lo: int, kept: int) -> list[ImageRef]:
+        """The kept refs as ImageRefs, built without validation (every field was checked)."""
+        if not kept:
+            return []
+        columns = {name: self._fields[name][lo : lo + kept].to_pylist() for name in IMAGE_FIELDS}
+        return [
+            ImageRef.model_construct(**{name: columns[name][k] for name in IMAGE_FIELDS})
+            for k in range(kept)
+        ]
+
+
+def _codes(array: pa.Array) -> tuple[np.ndarray, list[Any]]:
+    """A string column as (per-row codes, distinct values): few values, many rows."""
+    encoded = pc.dictionary_encode(array)
+    codes = pc.fill_null(encoded.indices, 0).to_numpy(zero_copy_only=False)
+    return codes, encoded.dictionary.to_pylist() or [None]
+
+
+IMAGE_FIELDS = tuple(f.name for f in ROLLOUT_SCHEMA.field("images").type.value_type)
+
+
+def family_checker(adapter: Family) -> FamilyOf:
+    """The loader's lookup: every ref must be laid out by the loader's own processor."""
+    from mmstore._exceptions import LayoutMismatchError
+
+    def family_of(fingerprint: str, family: str) -> Family:
+        if fingerprint != adapter.fingerprint:
+            raise LayoutMismatchError(
+                f"ref laid out by {fingerprint}, processor is {adapter.fingerprint}"
+            )
+        if family != adapter.family:
+            raise InvalidRolloutError(
+                f"ref says family {family!r} but fingerprint {fingerprint!r} is {adapter.family!r}"
+            )
+        return adapter
+
+    return family_of

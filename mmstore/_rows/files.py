@@ -1,0 +1,323 @@
+"""Image refs out of committed rollout files, reading only the leaf columns asked for.
+
+Shared by gc, pins, verify and export. A store's Parquet files name the list element
+``element`` (pyarrow writes compliant nested types); other engines may use ``item``, so leaf
+paths are looked up in each file's schema rather than spelled out. A path that names no
+column would silently read nothing, which for gc would mean deleting live media.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from stat import S_ISREG
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from mmstore._exceptions import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MmstoreError,
+    NoMatchError,
+    SchemaVersionError,
+)
+from mmstore._format.schema import PARTITION_FIELDS, ROLLOUT_SCHEMA
+from mmstore._progress import bar
+
+if TYPE_CHECKING:
+    from mmstore._storage.backends import FileStat
+    from mmstore._storage.store import Storage
+
+HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+# The same hive partitioning pyarrow, DuckDB and Spark apply to these paths. Segments are
+# taken as written ("none"): a foreign file's `run_id=a%2Fb` must not become the run `a/b`.
+_PARTITIONING = pads.HivePartitioning(pa.schema(PARTITION_FIELDS), segment_encoding="none")
+
+
+def partition_of(path: str) -> tuple[str, int]:
+    """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
+    try:
+        keys = pads.get_partition_keys(_PARTITIONING.parse(path))
+        return keys["run_id"], int(keys["step"])
+    except (KeyError, pa.ArrowInvalid):
+        raise CorruptFileError(
+            "rollout file outside run_id=…/step=… partitions", file=path
+        ) from None
+
+
+# -- selecting files -----------------------------------------------------------------------
+
+
+def select_files(
+    store: Storage,
+    runs: str | Iterable[str] | None = None,
+    steps: int | range | Iterable[int] | None = None,
+) -> list[FileStat]:
+    """Committed rollout files whose ``run_id=…/step=…`` partition matches the selection.
+
+    A selection that names a run the store does not hold, or that matches no file at all,
+    raises :class:`NoMatchError` naming the runs and steps there are: a typo must not turn
+    into a silent run over nothing.
+    """
+    run_set = _run_set(runs)
+    step_set = _step_set(steps)
+    selected = []
+    held: dict[str, set[int]] = {}
+    for stat in store.rollout_files():
+        run_id, step = partition_of(stat.path)
+        held.setdefault(run_id, set()).add(step)
+        if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
+            selected.append(stat)
+    unknown = sorted(run_set - held.keys()) if run_set is not None else []
+    if unknown or (not selected and (run_set is not None or step_set is not None)):
+        chosen = " at ".join(
+            part
+            for part in (
+                None if run_set is None else f"runs {sorted(run_set)}",
+                None if step_set is None else _steps_text(step_set),
+            )
+            if part
+        )
+        why = f"no run {', '.join(map(repr, unknown))}" if unknown else "no such step"
+        raise NoMatchError(
+            f"no committed rollout files match {chosen} ({why}); the store holds {holdings(held)}",
+            root=store.root,
+        )
+    return selected
+
+
+def holdings(held: dict[str, set[int]], limit: int = 8) -> str:
+    """``runs r1 (steps 0-3), r2 (step 5)`` for a message (the first ``limit`` runs)."""
+    if not held:
+        return "no rollouts"
+    shown = [f"{run} ({_steps_text(held[run])})" for run in sorted(held)[:limit]]
+    more = f" and {len(held) - limit} more" if len(held) > limit else ""
+    return "runs " + ", ".join(shown) + more
+
+
+def _steps_text(steps: range | set[int] | None) -> str:
+    """``step 5``, ``steps 0-3`` or ``steps 1, 4, 9``."""
+    if isinstance(steps, range) and steps.step == 1 and len(steps) > 1:
+        return f"steps {steps.start}-{steps.stop - 1}"
+    ordered = sorted(steps[:7] if isinstance(steps, range) else steps or ())
+    if not ordered:
+        return "no steps"
+    if len(ordered) == 1:
+        return f"step {ordered[0]}"
+    if len(ordered) > 1 and ordered[-1] - ordered[0] == len(ordered) - 1:
+        return f"steps {ordered[0]}-{ordered[-1]}"
+    listed = ", ".join(map(str, ordered[:6]))
+    return f"steps {listed}" + (", …" if len(ordered) > 6 else "")
+
+
+def _run_set(runs: str | Iterable[str] | None) -> set[str] | None:
+    if runs is None:
+        return None
+    chosen = {runs} if isinstance(runs, str) else set(runs)
+    bad = [r for r in chosen if not isinstance(r, str)]
+    if bad:
+        raise InvalidArgumentError(f"runs must be run_id strings, got {bad[:3]!r}")
+    return chosen
+
+
+def _step_set(steps: int | range | Iterable[int] | None) -> range | set[int] | None:
+    if steps is None or isinstance(steps, range):
+        return steps
+    chosen = {steps} if isinstance(steps, int) else set(steps)
+    bad = [s for s in chosen if isinstance(s, bool) or not isinstance(s, int)]
+    if bad:
+        raise InvalidArgumentError(f"steps must be ints (or a range), got {bad[:3]!r}")
+    return chosen
+
+
+# -- reading refs --------------------------------------------------------------------------
+
+
+def open_rollout_file(store: Storage, path: str) -> pq.ParquetFile:
+    """The Parquet file at store-relative ``path``; MmstoreError naming it if unreadable.
+
+    Every page read through it has its CRC checked (files written without checksums, by
+    other engines, read as before). Read its pages inside :func:`reading` so that a corrupt
+    page raises :class:`CorruptFileError` naming the file, not a bare ``OSError``.
+    """
+    with reading(path):
+        full = store.backend.abspath(path)
+        # Opening a FIFO for reading blocks until a writer appears: refuse anything but a
+        # regular file first (stat never blocks).
+        local = isinstance(store.backend.fs, pafs.LocalFileSystem)
+        if local and not S_ISREG(os.stat(full).st_mode):
+            raise CorruptFileError("not a regular file", **location(path))
+        source = store.backend.fs.open_input_file(full)
+        return pq.ParquetFile(source, page_checksum_verification=True)
+
+
+@contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Turn a failed read of rollout file ``path`` (a bad page checksum, a torn page, bytes
+    that are not UTF-8 in a string column) into :class:`CorruptFileError` naming it."""
+    try:
+        yield
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
+        raise CorruptFileError(
+            f"unreadable rollout file: {type(exc).__name__}: {exc}", **location(path)
+        ) from None
+
+
+def check_value_counts(meta: pq.FileMetaData, row_group: int, table: pa.Table, path: str) -> None:
+    """Refuse a row group whose columns decoded to another number of values than the footer
+    records.
+
+    Page checksums cover page bodies, not page headers: a flipped bit in a header's value
+    count makes pyarrow read fewer values and silently shorten the last list of the row
+    group. The footer records each chunk's count separately; comparing costs one pass over
+    the list lengths, not over the values.
+    """
+    expected = {name: _level_entries(table.column(name)) for name in table.column_names}
+    group = meta.row_group(row_group)
+    for j in range(group.num_columns):
+        chunk = group.column(j)
+        count = expected.get(chunk.path_in_schema.split(".")[0])
+        if count is not None and count != chunk.num_values:
+            raise CorruptFileError(
+                f"column {chunk.path_in_schema} of row group {row_group} decodes to {count} "
+                f"values, the footer records {chunk.num_values}",
+                **location(path),
+            )
+
+
+def _level_entries(column: pa.ChunkedArray) -> int | None:
+    """How many values Parquet writes for each leaf of a top-level column: one per row for a
+    flat column, one per element (or per empty or null list) for a list of flat values or
+    of flat structs; None for deeper nesting (not in the v1 schema; left unchecked)."""
+    if not pa.types.is_list(column.type):
+        return None if pa.types.is_nested(column.type) else len(column)
+    value = column.type.value_type
+    fields = (
+        [value.field(k).type for k in range(value.num_fields)]
+        if pa.types.is_struct(value)
+        else [value]
+    )
+    if any(pa.types.is_nested(t) for t in fields):
+        return None
+    # From the offsets (a null list spans nothing, as an empty one): microseconds a chunk.
+    return sum(
+        int(np.maximum(np.diff(chunk.offsets.to_numpy()), 1).sum()) for chunk in column.chunks
+    )
+
+
+def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
+    """The column path of ``images[].<field>`` in this file (``images.list.element.hash``)."""
+    for i in range(parquet.metadata.num_columns):
+        path: str = parquet.schema.column(i).path
+        parts = path.split(".")
+        if len(parts) == 4 and parts[0] == "images" and parts[3] == field:
+            return path
+    raise SchemaVersionError(f"rollout file has no images[].{field} column", file=file)
+
+
+def distinct_leaf(store: Storage, path: str, field: str) -> pa.Array:
+    """Distinct values of ``images[].<field>`` in one committed file (that leaf column only)."""
+    parquet = open_rollout_file(store, path)
+    with reading(path):
+        column = parquet.read(columns=[image_leaf(parquet, field, file=path)]).column("images")
+        return pc.unique(pc.struct_field(pc.list_flatten(column), field))
+
+
+def referenced_hashes(
+    store: Storage, paths: Iterable[str], *, progress: bool | None = None, desc: str = "mark"
+) -> set[str]:
+    """Every hash the files at ``paths`` reference."""
+    listed = bar(list(paths), desc=desc, unit="file", progress=progress)
+    chunks = [_hashes_unless_removed(store, path) for path in listed]
+    if not chunks:
+        return set()
+    return set(pc.unique(pa.chunked_array(chunks, pa.string())).to_pylist())
+
+
+def _hashes_unless_removed(store: Storage, path: str) -> pa.Array:
+    """A file released since it was listed references nothing any more; anything else that
+    cannot be read stops the caller (gc must not guess what an unreadable file keeps)."""
+    try:
+        return distinct_leaf(store, path, "hash")
+    except MmstoreError:
+        if store.backend.stat(path) is None:
+            return pa.array([], pa.string())
+        raise
+
+
+def read_ref_columns(parquet: pq.ParquetFile, *, file: str) -> pa.Table:
+    """``sample_id`` and the ``images[].{uri,hash,nbytes}`` leaves of a file, nothing else."""
+    leaves = [image_leaf(parquet, f, file=file) for f in ("uri", "hash", "nbytes")]
+    with reading(file):
+        return parquet.read(columns=["sample_id", *leaves])
+
+
+def flatten_refs(table: pa.Table) -> pa.Table:
+    """One row per image ref: row, image_index, sample_id, uri, hash, nbytes."""
+    images = table.column("images").combine_chunks()
+    lengths = pc.list_value_length(images).to_numpy(zero_copy_only=False)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    flat = pc.list_flatten(images)
+    return pa.table(
+        {
+            "row": rows,
+            "image_index": np.arange(len(rows), dtype=np.int64) - starts,
+            "sample_id": pc.take(table.column("sample_id"), pa.array(rows)),
+            "uri": pc.struct_field(flat, "uri"),
+            "hash": pc.struct_field(flat, "hash"),
+            "nbytes": pc.struct_field(flat, "nbytes"),
+        }
+    )
+
+
+def media_hash(path: str) -> str | None:
+    """The hash a store media path ``media/ab/cd/<hash>.<ext>`` names, else None."""
+    parts = path.split("/")
+    if len(parts) != 4 or parts[0] != "media":
+        return None
+    digest = parts[3].split(".", 1)[0]
+    if not HASH_RE.match(digest) or parts[1] != digest[:2] or parts[2] != digest[2:4]:
+        return None
+    return digest
+
+
+def location(path: str) -> dict[str, Any]:
+    """``file``, ``run_id`` and ``step`` of a rollout file, as far as its path tells."""
+    try:
+        run_id, step = partition_of(path)
+    except MmstoreError:
+        return {"file": path, "run_id": None, "step": None}
+    return {"file": path, "run_id": run_id, "step": step}
+
+
+def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
+    """``columns`` of ``table`` with the v1 Arrow types: a compatible file (int64 tokens,
+    large strings, reordered ref fields) is cast, an incompatible one refused naming it."""
+    arrays = []
+    for name in columns:
+        target = ROLLOUT_SCHEMA.field(name).type
+        if name not in table.column_names:
+            raise CorruptFileError(f"rollout file has no {name!r} column", **location(file))
+        column = table.column(name)
+        if column.type != target:
+            try:
+                column = column.cast(target)
+            except (pa.ArrowException, ValueError, TypeError) as exc:
+                raise CorruptFileError(
+                    f"column {name!r} of type {column.type} does not read as the v1 {target}: "
+                    f"{exc}",
+                    **location(file),
+                ) from None
+        arrays.append(column)
+    return pa.Table.from_arrays(arrays, names=list(columns))

@@ -1,0 +1,131 @@
+"""Per-row planning facts of a snapshot, read without reading any token list.
+
+The packed loader plans an epoch from three facts per row: its length (as the loader will
+hand it over, i.e. after ``max_len`` truncation), how many images it keeps, and where GRPO
+groups start. They come from the footer's ``mmstore.num_tokens`` (or, for a file without it,
+the ``tokens`` list lengths), the ``group_id`` column and the ``images[].offset`` /
+``images[].length`` leaf columns: a few integers and short strings per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mmstore._exceptions import CorruptFileError, InvalidRolloutError
+from mmstore._format.schema import decode_num_tokens
+from mmstore._rows.files import image_leaf, open_rollout_file
+from mmstore._rows.invariants import truncation_point
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
+
+    from mmstore._rows.snapshot import Snapshot
+    from mmstore._storage.store import Storage
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """Planning facts of every row of a snapshot, units in ``snapshot.units`` order.
+
+    Row ``i`` of unit ``u`` is flat index ``unit_offsets[u] + i``.
+    """
+
+    unit_offsets: np.ndarray  # int64 [U + 1]
+    lengths: np.ndarray  # int64 [N], tokens the loader hands over (after max_len)
+    images: np.ndarray  # int64 [N], images kept
+    block_start: np.ndarray  # bool [N], True where a run of one group_id starts
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+
+def read_row_meta(store: Storage, snapshot: Snapshot, max_len: int | None = None) -> RowMeta:
+    """The planning facts of ``snapshot``: one footer and three small columns per file."""
+    per_file: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    for path in snapshot.files:
+        per_file[path] = _file_meta(store, path, max_len)
+    lengths, images, starts, offsets = [], [], [], [0]
+    for unit in snapshot.units:
+        f_len, f_img, f_start, row_starts = per_file[unit.file]
+        lo = int(row_starts[unit.row_group])
+        hi = lo + unit.num_rows
+        lengths.append(f_len[lo:hi])
+        images.append(f_img[lo:hi])
+        start = f_start[lo:hi].copy()
+        if len(start):
+            start[0] = True  # a unit is read on its own: its first row starts a block
+        starts.append(start)
+        offsets.append(offsets[-1] + hi - lo)
+    return RowMeta(
+        np.asarray(offsets, dtype=np.int64),
+        np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+        np.concatenate(images) if images else np.zeros(0, np.int64),
+        np.concatenate(starts) if starts else np.zeros(0, bool),
+    )
+
+
+def _file_meta(
+    store: Storage, path: str, max_len: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    parquet = open_rollout_file(store, path)
+    meta = parquet.metadata
+    row_starts = np.zeros(meta.num_row_groups + 1, dtype=np.int64)
+    np.cumsum([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], out=row_starts[1:])
+    leaves = [image_leaf(parquet, "offset", file=path), image_leaf(parquet, "length", file=path)]
+    lengths = decode_num_tokens(meta.metadata, meta.num_rows)
+    columns = ["group_id", *leaves] + (["tokens"] if lengths is None else [])
+    try:
+        table = parquet.read(columns=columns)
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
+    if lengths is None:
+        lengths = pc.list_value_length(table.column("tokens")).to_numpy().astype(np.int64)
+    refs = table.column("images").combine_chunks()
+    images = pc.list_value_length(refs).to_numpy(zero_copy_only=False).astype(np.int64)
+    if max_len is not None:
+        lengths, images = _truncated(parquet, path, lengths, images, refs, max_len)
+    return lengths, images, _block_starts(table.column("group_id")), row_starts
+
+
+def _truncated(
+    parquet: pq.ParquetFile,
+    path: str,
+    lengths: np.ndarray,
+    images: np.ndarray,
+    refs: pa.ListArray,
+    max_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and image counts after the loader's ``max_len`` cut (whole images kept)."""
+    lengths, images = lengths.copy(), images.copy()
+    for row in np.flatnonzero(lengths > max_len):  # only the long rows need their spans
+        spans = refs[int(row)].values
+        offsets = spans.field("offset").to_pylist() if spans is not None else []
+        sizes = spans.field("length").to_pylist() if spans is not None else []
+        cut, kept = truncation_point(offsets, sizes, int(lengths[row]), max_len)
+        if cut == 0:
+            sample_id = parquet.read(columns=["sample_id"]).column(0)[int(row)].as_py()
+            raise InvalidRolloutError(
+                f"max_len={max_len} cuts inside the first image; nothing would remain",
+                file=path,
+                sample_id=sample_id,
+                image_index=0,
+            )
+        lengths[row], images[row] = cut, kept
+    return lengths, images
+
+
+def _block_starts(group_ids: pa.ChunkedArray) -> np.ndarray:
+    """True where a row's group_id differs from the row before it (or is null)."""
+    gids = group_ids.combine_chunks()
+    n = len(gids)
+    starts = np.ones(n, dtype=bool)
+    if n > 1:
+        same = pc.equal(gids[1:], gids[:-1]).fill_null(False)
+        starts[1:] = ~same.to_numpy(zero_copy_only=False)
+    return starts

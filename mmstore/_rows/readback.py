@@ -1,0 +1,65 @@
+"""Committed rows read back as :class:`Rollout` objects, selected by run, step and sample id.
+
+For replay and inference (``integrations.vllm`` takes a ``Rollout``); bulk analysis is
+better served by :func:`mmstore.debug.scan` or any Parquet engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mmstore._exceptions import CorruptFileError, NoMatchError
+from mmstore._format.models import Rollout, released
+from mmstore._format.schema import ROLLOUT_SCHEMA, check_schema_version
+from mmstore._rows.files import open_rollout_file, select_files
+
+if TYPE_CHECKING:
+    from mmstore._storage.store import Storage
+
+
+def read_rollouts(
+    store: Storage,
+    run_id: str | Iterable[str] | None = None,
+    step: int | range | Iterable[int] | None = None,
+    sample_ids: str | Iterable[str] | None = None,
+) -> list[Rollout]:
+    """The committed rows matching every given filter, in (run, step, file, row) order.
+
+    Raises :class:`NoMatchError` naming what the store holds when a run or step matches
+    nothing, naming the sample ids not found, or when the store holds no row at all.
+    """
+    wanted = None if sample_ids is None else _ids(sample_ids)
+    files = select_files(store, run_id, step)
+    rows: list[Rollout] = []
+    for stat in files:
+        table = _read(store, stat.path)
+        if wanted is not None:
+            table = table.filter(pc.is_in(table.column("sample_id"), pa.array(sorted(wanted))))
+        rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())
+    missing = sorted(wanted - {r.sample_id for r in rows}) if wanted is not None else []
+    if missing or not rows:
+        what = f"sample ids {missing[:5]}" if missing else "rollouts"
+        raise NoMatchError(
+            f"no {what} in the {len(files)} selected rollout files",
+            root=store.root,
+            run_id=run_id,
+            step=step,
+        )
+    return rows
+
+
+def _ids(sample_ids: str | Iterable[str]) -> set[str]:
+    return {sample_ids} if isinstance(sample_ids, str) else set(sample_ids)
+
+
+def _read(store: Storage, path: str) -> pa.Table:
+    parquet = open_rollout_file(store, path)
+    check_schema_version(parquet.metadata.metadata, where=path)
+    try:
+        return parquet.read(columns=ROLLOUT_SCHEMA.names)
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None

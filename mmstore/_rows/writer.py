@@ -1,0 +1,401 @@
+"""The rollout writer: validated rows -> one Parquet file, visible by an atomic rename.
+
+Rows are checked against every invariant (and their media must exist) as they are
+written; a refused row raises and leaves the writer, and the store, as they were. Row groups
+are encoded as they fill (each on a thread beside the writer's, see :class:`_Encoding`), so
+memory holds compressed bytes, not Python rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import uuid
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mmstore._exceptions import InvalidArgumentError, InvalidRolloutError
+from mmstore._families import (
+    Layout,
+    family_for_layout,
+    known_layouts,
+    layout_for_fingerprint,
+    layout_from_record,
+)
+from mmstore._format.models import LIST_DTYPES, Rollout, list_array, released
+from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
+from mmstore._rows.invariants import check_rollout
+from mmstore._rows.snapshot import run_layouts
+
+if TYPE_CHECKING:
+    from mmstore._families import Family
+    from mmstore._storage.store import Storage
+
+# Rows are a few KB to a few hundred KB; 128 rows keep row groups (the unit of work the
+# loader shards) fine-grained while pages stay large enough for zstd.
+DEFAULT_ROW_GROUP_SIZE = 128
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+INT32_MAX = 2**31 - 1
+
+# Encodings, chosen by measurement: `python -m benchmarks.bench_write --scale 2` prints this
+# table for 512 realistic rows (3.6k tokens, 2 image refs, GRPO groups of 8, Zipf text,
+# completion logprobs; 15 MB as Arrow) in row groups of 128. Bytes are exact; times are the
+# median of 9 runs on a busy 2-core VM:
+#   snappy, dictionary on (pq.write_table default)   3.96 MB  76 ms
+#   zstd, dictionary on every column                 3.50 MB  82 ms
+#   zstd, dictionary off                             2.43 MB  73 ms
+#   + logprobs BYTE_STREAM_SPLIT                     2.30 MB  52 ms  <- chosen
+#   + tokens DELTA_BINARY_PACKED instead             3.06 MB  53 ms
+#   + tokens BYTE_STREAM_SPLIT as well               2.15 MB  50 ms  (splitting INT32 is a 2024
+#                                                                     addition to the Parquet
+#                                                                     format: older readers fail)
+# Per column a dictionary never wins under zstd: tokens 949 vs 796 KB, logprobs 2.52 vs
+# 1.60 MB; the strings repeated within a GRPO group (group_id, image uri/hash) are 0.5-4 KB
+# either way, since zstd finds those repeats inside a row group by itself. zstd level 1
+# (pyarrow's default) was as small as level 3 and faster.
+DICTIONARY_COLUMNS: list[str] = []
+COLUMN_ENCODING = {"logprobs.list.element": "BYTE_STREAM_SPLIT"}
+ZSTD_LEVEL = 1
+# Min/max statistics only where a predicate can use them; list columns get none.
+STATISTICS_COLUMNS = ["sample_id", "group_id", "prompt_len", "reward", "advantage"]
+# A CRC-32 of every page, checked on every read (open_rollout_file): a flipped bit in a page
+# becomes a CorruptFileError instead of different tokens. Readers that ignore checksums
+# (older pyarrow, other engines) read the files as before.
+PAGE_CHECKSUMS = True
+
+
+def parquet_options() -> dict[str, Any]:
+    """Keyword arguments of ``pyarrow.parquet.ParquetWriter`` for rollout files."""
+    return {
+        "compression": "zstd",
+        "compression_level": ZSTD_LEVEL,
+        "use_dictionary": DICTIONARY_COLUMNS or False,
+        "column_encoding": COLUMN_ENCODING,
+        "write_statistics": STATISTICS_COLUMNS,
+        "write_page_checksum": PAGE_CHECKSUMS,
+    }
+
+
+_FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
+
+
+def _buffered(rollout: Rollout) -> dict[str, Any]:
+    """One accepted row as the writer buffers it."""
+    row = {name: getattr(rollout, name) for name in _FIELDS}
+    # The long per-token lists are kept as numpy arrays from write to flush: several times
+    # smaller than Python lists, and turned into Arrow lists without a per-element Python
+    # loop (model_dump + Table.from_pylist took 2.5x as long). They are the arrays the
+    # Rollout's validation already made (read-only, so no caller can change them after
+    # write), not a second conversion of the lists: that was a third of a write's time.
+    for name in LIST_DTYPES:
+        row[name] = list_array(rollout, name)
+    row["images"] = [ref.model_dump() for ref in rollout.images]
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Buffered rows as an Arrow table of the v1 schema, column by column."""
+    columns = []
+    for field in ROLLOUT_SCHEMA:
+        values = [row[field.name] for row in rows]
+        if field.name in LIST_DTYPES:
+            columns.append(_list_array(values, field.type, LIST_DTYPES[field.name]))
+        else:
+            columns.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+
+
+def _list_array(values: list[np.ndarray | None], type: pa.DataType, dtype: Any) -> pa.Array:
+    present = [v for v in values if v is not None]
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum([0 if v is None else len(v) for v in values], out=offsets[1:])
+    flat = np.concatenate(present) if present else np.empty(0, dtype=dtype)
+    mask = None if len(present) == len(values) else pa.array([v is None for v in values])
+    return pa.ListArray.from_arrays(offsets, flat, type=type, mask=mask)
+
+
+class _Encoding(threading.Thread):
+    """One row group encoded (zstd, page checksums) beside the writer's thread.
+
+    pyarrow releases the GIL while it encodes, so the next rows are validated meanwhile
+    instead of waiting: encoding is about a quarter of a write's CPU time. The writer keeps
+    at most one in flight and waits for it before the next, before closing the file, and
+    on abort; a failure is kept and raised there.
+    """
+
+    def __init__(self, parquet: pq.ParquetWriter, table: pa.Table, row_group_size: int) -> None:
+        # A daemon: an abandoned writer never holds up the interpreter's exit.
+        super().__init__(name="mmstore-encode", daemon=True)
+        self.parquet = parquet
+        self.table: pa.Table | None = table
+        self.row_group_size = row_group_size
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            assert self.table is not None
+            self.parquet.write_table(self.table, row_group_size=self.row_group_size)
+        except BaseException as exc:  # raised in the writer's thread, by _finish_encoding
+            self.error = exc
+        self.table = None
+
+
+def check_partition(run_id: Any, step: Any) -> None:
+    """Refuse a run id or step that cannot name a hive partition directory."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise InvalidRolloutError(
+            f"run_id {run_id!r} must match {RUN_ID_PATTERN.pattern} (it names a directory)",
+            run_id=run_id,
+        )
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT32_MAX:
+        raise InvalidRolloutError(
+            f"step {step!r} must be a non-negative int32", run_id=run_id, step=step
+        )
+
+
+class RolloutWriter:
+    """Use as ``with store.writer(run_id=..., step=...) as w: w.write(rollout)``.
+
+    Nothing is visible until the block exits without an exception (or :meth:`commit` is
+    called); then every row written becomes visible at once, as one Parquet file named
+    ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
+
+    An image-only token (a family's placeholder, break or end token) outside every image
+    span is refused, in rows with images and in text-only rows alike, whenever the writer
+    knows the family: the families of the row's own images always count; beyond them, the
+    family of ``adapter=`` if given (only its ids: a custom tokenizer's), else the families
+    this writer's rows used, else those recorded in the newest committed files of the same
+    run, else the adapters built in this process (``mmstore.adapter_for``) when they are all
+    of one family. A writer that knows none of these (a fresh process writing text-only rows
+    into a new run) cannot tell a placeholder from text.
+    """
+
+    def __init__(
+        self,
+        store: Storage,
+        run_id: str,
+        step: int,
+        *,
+        adapter: Family | None = None,
+        row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
+    ) -> None:
+        check_partition(run_id, step)
+        if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
+            raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
+        if row_group_size <= 0:
+            raise InvalidArgumentError(f"row_group_size must be positive, got {row_group_size}")
+        self.store = store
+        self.run_id = run_id
+        self.step = step
+        self.writer_id = uuid.uuid4().hex
+        self.row_group_size = row_group_size
+        self.committed: list[str] = []
+        self._adapter = adapter
+        self._layouts: dict[str, Layout] = {}
+        self._run_layouts: list[Layout] | None = None
+        self._sample_ids: set[str] = set()
+        self._known_media: set[tuple[str, str]] = set()
+        self._unsynced: set[str] = set()  # URIs the uncommitted rows reference
+        self._pending: list[dict[str, Any]] = []
+        self._num_tokens: list[int] = []  # of every row in the open file, for its footer
+        self._sink: pa.BufferOutputStream | None = None
+        self._parquet: pq.ParquetWriter | None = None
+        self._encoding: _Encoding | None = None  # the row group being encoded, if any
+        self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
+        self._closed = False
+
+    # -- writing -------------------------------------------------------------------------
+
+    def write(self, rollout: Rollout) -> None:
+        """Validate one row and buffer it.
+
+        Raises :class:`InvalidRolloutError` for a row that breaks an invariant (or repeats a
+        sample id of this writer), and :class:`MediaNotFoundError`, :class:`HashMismatchError`
+        or :class:`UntrustedURIError` for an image ref whose bytes are absent, different or
+        not allowed; each names the run, step, sample and image index. A refused row changes
+        nothing: the writer stays usable.
+        """
+        if self._closed:
+            raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        if self._encoded is not None:
+            raise InvalidRolloutError(
+                "a failed commit is pending: call commit() again (or abort()) first",
+                run_id=self.run_id,
+                step=self.step,
+            )
+        if not isinstance(rollout, Rollout):
+            raise InvalidRolloutError(
+                f"expected an mmstore.Rollout, got {type(rollout).__name__}", run_id=self.run_id
+            )
+        where = {"run_id": self.run_id, "step": self.step, "sample_id": rollout.sample_id}
+        if rollout.sample_id in self._sample_ids:
+            raise InvalidRolloutError("duplicate sample_id in this writer", **where)
+        used: dict[str, Layout] = {}
+
+        def lookup(fingerprint: str) -> Layout | None:
+            layout = self._layout(fingerprint)
+            if layout is not None:
+                used[fingerprint] = layout
+            return layout
+
+        token_ids = self._placeholder_ids()
+        try:
+            check_rollout(rollout, lookup, image_token_ids=token_ids)
+        except InvalidRolloutError as exc:
+            raise InvalidRolloutError(exc.message, **{**exc.context, **where}) from None
+        for index, ref in enumerate(rollout.images):
+            if (ref.uri, ref.hash) not in self._known_media:
+                self.store.ensure_media(ref, **where, image_index=index)
+                self._known_media.add((ref.uri, ref.hash))
+        # Accepted: only now does the row touch the writer's state.
+        self._layouts.update(used)
+        self._sample_ids.add(rollout.sample_id)
+        self._unsynced.update(ref.uri for ref in rollout.images)
+        self._pending.append(_buffered(rollout))
+        released(rollout)  # the buffer holds the arrays now; the caller's row need not
+        self._num_tokens.append(len(rollout.tokens))
+        if len(self._pending) >= self.row_group_size:
+            self._flush_row_group()
+
+    def write_many(self, rollouts: list[Rollout]) -> None:
+        for rollout in rollouts:
+            self.write(rollout)
+
+    def _placeholder_ids(self) -> frozenset[int]:
+        """Image-only token ids no text may hold (the rule in the class docstring).
+
+        One family's image-only token is ordinary text to another (Pixtral's ``[IMG_END]``
+        is id 13), so the ids come from the most specific family known: the adapter, then
+        the families this writer's rows used, then the run's recorded layouts, then the
+        adapters of this process if they are all of one family.
+        """
+        if self._adapter is not None:
+            return self._adapter.special_token_ids
+        layouts = list(self._layouts.values())
+        if not layouts:
+            if self._run_layouts is None:  # read once per writer
+                self._run_layouts = [
+                    layout_from_record(record)
+                    for record in run_layouts(self.store, self.run_id).values()
+                ]
+            layouts = self._run_layouts
+        if not layouts:
+            built = known_layouts()
+            layouts = built if len({x.family for x in built}) == 1 else []
+        return frozenset().union(*(family_for_layout(x).special_token_ids for x in layouts))
+
+    def _layout(self, fingerprint: str) -> Layout | None:
+        if self._adapter is not None and self._adapter.fingerprint == fingerprint:
+            return self._adapter.layout
+        return layout_for_fingerprint(fingerprint)
+
+    def _flush_row_group(self) -> None:
+        """Start encoding the pending rows as a row group (see :class:`_Encoding`)."""
+        if not self._pending:
+            return
+        table = _table(self._pending)
+        self._finish_encoding()  # one row group in flight: row groups stay in order
+        if self._parquet is None:
+            self._sink = pa.BufferOutputStream()
+            self._parquet = pq.ParquetWriter(self._sink, ROLLOUT_SCHEMA, **parquet_options())
+        self._encoding = _Encoding(self._parquet, table, self.row_group_size)
+        self._encoding.start()
+        self._pending = []
+
+    def _finish_encoding(self) -> None:
+        """Wait for the row group being encoded. If its encoding failed, the file cannot be
+        finished: the writer is aborted (nothing of it is committed) and the error raised."""
+        encoding, self._encoding = self._encoding, None
+        if encoding is None:
+            return
+        encoding.join()
+        if encoding.error is not None:
+            self.abort()
+            raise encoding.error
+
+    # -- committing ----------------------------------------------------------------------
+
+    def commit(self) -> str | None:
+        """Make every row written so far visible as one Parquet file; return its path.
+
+        First every media file the rows reference is made durable (``put_media`` does not
+        fsync; one batch of fsyncs here, including copies another writer put), then the
+        Parquet file, so a committed file never points at missing or torn bytes. If the commit fails
+        (disk full, an unusable ``_staging``), the encoded file is kept and nothing torn is
+        left behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
+        """
+        if self._closed:
+            raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
+        # Media first, then the file that names it.
+        if self._encoded is None:
+            self._flush_row_group()
+            if self._parquet is None or self._sink is None:
+                return None
+            # The media's fsyncs run while the last row group encodes; the file is finished
+            # either way, so a failed sync leaves a commit to retry like any failed commit.
+            try:
+                self.store.sync_media(self._unsynced)
+            finally:
+                self._encoded = self._encode()
+        else:
+            self.store.sync_media(self._unsynced)
+        rel = (
+            f"rollouts/run_id={self.run_id}/step={self.step}/"
+            f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
+        )
+        written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
+        # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
+        # file in place; any other file under this writer's unique name is not ours.
+        if not written and self.store.backend.read(rel) != self._encoded:
+            raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
+        self._encoded = None
+        self._unsynced = set()
+        self.committed.append(rel)
+        return rel
+
+    def _encode(self) -> bytes:
+        """Close the Parquet writer and return the whole file."""
+        self._finish_encoding()
+        assert self._parquet is not None and self._sink is not None
+        layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
+        metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
+        self._num_tokens = []
+        self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
+        self._parquet.close()
+        data: bytes = self._sink.getvalue().to_pybytes()
+        self._parquet = self._sink = None
+        return data
+
+    def abort(self) -> None:
+        """Drop everything not yet committed and close the writer."""
+        self._pending = []
+        self._encoded = None
+        self._num_tokens = []
+        if self._encoding is not None:
+            self._encoding.join()  # never close the Parquet writer under its encoder
+            self._encoding = None
+        if self._parquet is not None:
+            with contextlib.suppress(Exception):  # a writer whose encoding failed
+                self._parquet.close()
+        self._parquet = self._sink = None
+        self._closed = True
+
+    def __enter__(self) -> RolloutWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.commit()
+            self._closed = True
