@@ -131,7 +131,9 @@ def measure(
     hf = hf_dataset(paths, proc)
     expected = sum(len(p) for p in paths)
     ds = mmstore.RolloutDataset(store, proc, seed=0)
-    got = sum(int(b["image_grid_thw"].shape[0]) for b in mmstore.RolloutLoader(ds, BATCH))
+    got = sum(
+        int(b["image_grid_thw"].shape[0]) for b in mmstore.RolloutLoader(ds, batch_size=BATCH)
+    )
     assert got == expected, f"loader produced {got} images, expected {expected}"
 
     def limit() -> float:  # images/s if every worker's core only decoded and processed

@@ -36,7 +36,7 @@ PROCESSES = 2
 def _loader(store: mmstore.Store, proc: Any) -> mmstore.RolloutLoader:
     # No node cache: Ray's actors process every image, so the loader does too.
     ds = mmstore.RolloutDataset(store, proc, seed=0, dtype="float32", node_cache_bytes=0)
-    return mmstore.RolloutLoader(ds, BATCH, num_workers=PROCESSES)
+    return mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=PROCESSES)
 
 
 def loader_rate(store: mmstore.Store, proc: Any) -> float:

@@ -57,7 +57,7 @@ def samples_per_s(port: int, bucket: str, proc: Any, prefetch: bool) -> float:
         store, proc, seed=0, node_cache_bytes=0, prefetch_requests=None if prefetch else 0
     )
     start = time.perf_counter()
-    n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, BATCH))
+    n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, batch_size=BATCH))
     return n / (time.perf_counter() - start)
 
 

@@ -188,7 +188,7 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
 
     def ours(name: str) -> tuple[float, int]:
         ds = mmstore.RolloutDataset(store, procs[name], seed=0, node_cache_bytes=0)
-        return loader_rate(mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS))
+        return loader_rate(mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=WORKERS))
 
     def naive(name: str) -> tuple[float, int]:
         data = NaiveDataset(paths, procs[name])
@@ -248,7 +248,9 @@ def _rank(
     ds = mmstore.RolloutDataset(
         store, proc, seed=0, rank=rank, world_size=2, node_cache_dir=cache_dir
     )
-    loader = mmstore.RolloutLoader(ds, BATCH, num_workers=WORKERS, distinct_images=mode != "plain")
+    loader = mmstore.RolloutLoader(
+        ds, batch_size=BATCH, num_workers=WORKERS, distinct_images=mode != "plain"
+    )
     tally = {"images": 0, "hits": 0, "misses": 0}
     for b in loader:
         if mode == "distinct_expanded_on_cpu":

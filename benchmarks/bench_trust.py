@@ -89,7 +89,7 @@ def samples_per_s(store: mmstore.Store, proc: Any, checked: bool) -> float:
     ds = mmstore.RolloutDataset(store, proc, seed=0)
     with contextlib.nullcontext() if checked else checks_off():
         start = time.process_time()
-        n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, BATCH))
+        n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, batch_size=BATCH))
     return n / (time.process_time() - start)
 
 

@@ -21,11 +21,16 @@ from mmstore._exceptions import (
     NotAStoreError,
     SampleTooLongError,
     SchemaVersionError,
+    TableConflictError,
+    TableError,
+    TableForkError,
+    TableNotFoundError,
+    TableVersionError,
     UnsupportedProcessorError,
     UntrustedURIError,
     WireFormatError,
 )
-from mmstore._families import Family, Layout, adapter_for, known_families, register_family
+from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
 from mmstore._families.qwen_vl import QwenVL
 from mmstore._format.models import ImageRef, MediaRef, Rollout
 from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
@@ -83,6 +88,7 @@ __all__ = [
     "Family",
     "Layout",
     "LayoutMismatchError",
+    "Token",
     "SampleTooLongError",
     "MediaError",
     "MediaNotFoundError",
@@ -99,6 +105,11 @@ __all__ = [
     "RolloutWriter",
     "SchemaVersionError",
     "Store",
+    "TableConflictError",
+    "TableError",
+    "TableForkError",
+    "TableNotFoundError",
+    "TableVersionError",
     "UnsupportedProcessorError",
     "UntrustedURIError",
     "VerifyReport",

@@ -17,6 +17,11 @@
     ├── NoMatchError               (LookupError)     nothing matches a selection, id or name
     ├── DestinationExistsError     (FileExistsError) an export into a location holding data
     ├── DeleteFailedError          (OSError)         files a release could not delete
+    ├── TableError                                   the rollouts table (its Delta log) refused
+    │   ├── TableNotFoundError     (FileNotFoundError) no Delta log under the store's rollouts/
+    │   ├── TableVersionError      (LookupError)     a version the table does not have (any more)
+    │   ├── TableConflictError     (RuntimeError)    a commit that kept losing to other commits
+    │   └── TableForkError         (RuntimeError)    delta-rs called in a forked child
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
     └── MediaError                                   media bytes cannot be served as requested
@@ -24,22 +29,43 @@
         └── HashMismatchError      (ValueError)
 
 Each error carries the context it was raised in (file, run, sample, image index) both in
-its message and as attributes, so a caller can act on it without parsing text.
+its message and as attributes, so a caller can act on it without parsing text. A caller that
+meets an error adds where it met it with :meth:`MmstoreError.with_context`, the one way an
+error gains context.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound="MmstoreError")
 
 
 class MmstoreError(Exception):
     """Base of every mmstore error. ``context`` holds where it happened."""
 
     def __init__(self, message: str, **context: Any) -> None:
+        super().__init__()
+        self._describe(message, context)
+
+    def _describe(self, message: str, context: dict[str, Any]) -> None:
+        self.message = message
         self.context = {k: v for k, v in context.items() if v is not None}
         where = ", ".join(f"{k}={v!r}" for k, v in self.context.items())
-        super().__init__(f"{message} ({where})" if where else message)
-        self.message = message
+        self.args = (f"{message} ({where})" if where else message,)
+
+    def with_context(self: E, **where: Any) -> E:
+        """A copy of this error with ``where`` added to its context (and message).
+
+        The same class and every attribute of this one (a subclass's own too); its context
+        keeps its order, and a key it already holds keeps its value: the raise site saw the
+        fault first hand, a caller only adds where it met the error. None values are dropped.
+        """
+        added = {k: v for k, v in where.items() if k not in self.context}
+        err = type(self).__new__(type(self))
+        err.__dict__.update(self.__dict__)
+        err._describe(self.message, {**self.context, **added})
+        return err
 
     def __getattr__(self, name: str) -> Any:
         # Context keys read as attributes: err.sample_id, err.image_index, err.uri ...
@@ -131,3 +157,25 @@ class HashMismatchError(MediaError, ValueError):
 
 class SampleTooLongError(InvalidRolloutError):
     """A sample longer than the packed loader's ``max_tokens`` (refused when planning)."""
+
+
+class TableError(MmstoreError):
+    """The rollouts table (``rollouts/``, a Delta Lake table) refused an operation; the
+    context names the table (``table``) and, where one is concerned, the ``version``."""
+
+
+class TableNotFoundError(TableError, FileNotFoundError):
+    """No Delta log under the store's ``rollouts/`` (a v1 store, or a table not yet made)."""
+
+
+class TableVersionError(TableError, LookupError):
+    """A table version that does not exist, or whose log entries are gone."""
+
+
+class TableConflictError(TableError, RuntimeError):
+    """A commit that kept losing to conflicting concurrent commits; nothing was committed."""
+
+
+class TableForkError(TableError, RuntimeError):
+    """delta-rs called in a forked child of a process that already used it (it would panic:
+    its runtime does not survive a fork). Plan in the parent; workers read files by path."""

@@ -5,6 +5,8 @@ like real ones), ``photo(seed, width, height)`` a photo-like image (incompressib
 ``grpo_rollouts(store, adapter, groups=...)`` yields GRPO groups of :class:`mmstore.Rollout`
 whose samples share their prompt images, written through the public path: ``put_image``,
 ``adapter.expand``, ``Rollout``. Rewards are 0 or 1 at random, advantages ``reward - 0.5``.
+``write_grpo_steps(store, adapter, run_id=..., steps=range(2))`` commits such groups as a
+rollout side does: one file per step.
 
 Also used by the demo, the benchmarks and the tests. Screenshots are compressible like real
 ones; photos (smooth noise) are incompressible like real ones.
@@ -13,8 +15,8 @@ ones; photos (smooth noise) are incompressible like real ones.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 VISION_START, VISION_END = 151652, 151653
 TEXT_VOCAB = 150_000
 
-__all__ = ["grpo_rollouts", "photo", "screenshot"]
+__all__ = ["grpo_rollouts", "photo", "screenshot", "write_grpo_steps"]
 
 
 def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
@@ -133,3 +135,27 @@ def grpo_rollouts(
                 images=refs,
                 metadata={"turns": images_per_sample, "kind": kind},
             )
+
+
+def write_grpo_steps(
+    store: Store,
+    adapter: Family,
+    *,
+    run_id: str,
+    steps: Iterable[int] = range(2),
+    row_group_size: int | None = None,
+    **groups: Any,
+) -> list[Rollout]:
+    """Commit :func:`grpo_rollouts` for each of ``steps``, one file per step, seeded by the
+    step (so steps differ, and a step is the same every time). ``groups`` are
+    :func:`grpo_rollouts`' arguments (``groups=`` is required); returns the rows, in order.
+    """
+    written: list[Rollout] = []
+    for step in steps:
+        with store.writer(
+            run_id=run_id, step=step, adapter=adapter, row_group_size=row_group_size
+        ) as writer:
+            for rollout in grpo_rollouts(store, adapter, seed=step, **groups):
+                writer.write(rollout)
+                written.append(rollout)
+    return written

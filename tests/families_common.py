@@ -1,4 +1,5 @@
-"""Scaffolding the family tests share (tests/test_family_*.py, tests/test_adapter.py).
+"""Scaffolding the family tests share (tests/family_cases.py, tests/test_family_*.py,
+tests/test_adapter.py).
 
 Offline tokenizers, test images and media refs, tiny random-weight models and their loss, and
 the checks every family's layout must pass against the output of its real processor.
@@ -15,7 +16,6 @@ import torch
 from PIL import Image
 
 import mmstore
-from mmstore._format.models import MediaRef
 
 
 def sized(sizes: Sequence[tuple[int, int]]) -> Any:
@@ -65,22 +65,30 @@ def noise(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def media_ref(width: int, height: int, n: int = 0) -> MediaRef:
+def media_ref(width: int, height: int, n: int = 0) -> mmstore.MediaRef:
     """A media ref of that size (no bytes behind it): for layout math and ``expand``."""
     digest = f"{n:032x}"
-    return MediaRef(hash=digest, uri=f"media/{digest}.png", width=width, height=height)
+    return mmstore.MediaRef(hash=digest, uri=f"media/{digest}.png", width=width, height=height)
 
 
 # -- tiny models --------------------------------------------------------------------------------
 
 
-def tiny_qwen2_vl_config(*, num_hidden_layers: int) -> Any:
-    """A random-weight-sized Qwen2-VL config with the published token ids (patch 14, merge 2)."""
+def tiny_qwen2_vl_config(
+    *,
+    num_hidden_layers: int,
+    vocab_size: int = 151680,
+    image_token_id: int = 151655,
+    video_token_id: int = 151656,
+    vision_start_token_id: int = 151652,
+) -> Any:
+    """A random-weight-sized Qwen2-VL config (patch 14, merge 2), with the published token ids
+    and vocabulary unless given others (a small vocabulary keeps the model fast)."""
     from transformers import Qwen2VLConfig
 
     return Qwen2VLConfig(
         text_config=dict(
-            vocab_size=151680,
+            vocab_size=vocab_size,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=num_hidden_layers,
@@ -98,9 +106,9 @@ def tiny_qwen2_vl_config(*, num_hidden_layers: int) -> Any:
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id,
     )
 
 
@@ -145,8 +153,10 @@ def check_distinct_images(
     options: dict[str, Any] = dict(
         num_workers=num_workers, max_tokens=max_tokens, preprocess_device=preprocess_device
     )
-    plain = list(mmstore.RolloutLoader(ds, batch_size, **options))
-    distinct = list(mmstore.RolloutLoader(ds, batch_size, distinct_images=True, **options))
+    plain = list(mmstore.RolloutLoader(ds, batch_size=batch_size, **options))
+    distinct = list(
+        mmstore.RolloutLoader(ds, batch_size=batch_size, distinct_images=True, **options)
+    )
     assert len(plain) == len(distinct) > 0
     first = next(iter(ds.adapter.image_inputs))
     saved = 0

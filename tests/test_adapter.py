@@ -1,8 +1,6 @@
-"""The Qwen-VL family adapter against the real transformers image processor.
-
-Every size below runs through ``Qwen2VLImageProcessorPil`` on a real image of that size; the
-adapter, which never sees the image, must agree on the grid, the token count and the shape of
-``pixel_values``.
+"""Qwen-VL's own layout, and choosing an adapter (``adapter_for``), the fingerprint and
+``expand`` as Qwen-VL's adapter shows them. The contract every family keeps, Qwen-VL's
+included, is ``tests/test_family_contract.py``.
 """
 
 from __future__ import annotations
@@ -16,78 +14,25 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import mmstore
 from mmstore._families import layout_for_fingerprint
-from tests.families_common import check_placeholder, gradient, media_ref, sized
+from tests.families_common import gradient, media_ref
+from tests.family_cases import QWEN_VL
 
 QWEN_VL_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the published Qwen-VL tokenizers
-
-# (width, height)
-SIZES = [
-    # tiny and odd
-    (1, 1),
-    (1, 2),
-    (2, 1),
-    (3, 7),
-    (7, 3),
-    (13, 13),
-    (27, 29),
-    (28, 28),
-    (55, 57),
-    (56, 56),
-    (101, 37),
-    (255, 257),
-    (333, 777),
-    (641, 479),
-    (999, 1001),
-    # extreme aspect ratios, up to exactly 1:200
-    (1, 200),
-    (200, 1),
-    (3, 600),
-    (5, 1000),
-    (1000, 5),
-    (28, 5600),
-    (5600, 28),
-    (8000, 40),
-    # around Qwen2-VL's max_pixels (1280 * 28 * 28 = 1003520)
-    (1280, 784),
-    (1281, 785),
-    # screens: 1080p, 1440p, 4K, and portrait phone screenshots
-    (1920, 1080),
-    (2560, 1440),
-    (3840, 2160),
-    (1080, 1920),
-    (750, 1334),
-    (1170, 2532),
-    (1284, 2778),
-    (1440, 3200),
-]
 
 PROCESSORS = ["qwen2_processor", "qwen3_processor"]
 
 
-def test_enough_sizes():
-    assert len(set(SIZES)) >= 30
-
-
 @pytest.mark.parametrize("processor_name", PROCESSORS)
-@sized(SIZES)
-def test_grid_tokens_and_placeholder_match_the_real_processor(
-    request, processor_name, width, height
-):
+def test_tokens_are_the_processors_patches_over_the_merge_window(request, processor_name):
+    """Qwen2VLProcessor expands an image into ``grid.prod() // merge_size**2`` tokens; the
+    image processor counts the same patches without resizing anything."""
     processor = request.getfixturevalue(processor_name)
     adapter = mmstore.adapter_for(processor)
-    out = processor(images=[gradient(width, height)], return_tensors="np")
-    grid = tuple(int(v) for v in out["image_grid_thw"][0])
-    pixel_shape = out["pixel_values"].shape
-
-    assert adapter.grid(width, height) == grid
-    # Qwen2VLProcessor expands an image into grid.prod() // merge_size**2 placeholder tokens.
-    assert adapter.num_tokens(width, height) == np.prod(grid) // processor.merge_size**2
-    assert adapter.num_tokens(width, height) * processor.merge_size**2 == (
-        processor.get_number_of_image_patches(height, width)
-    )
-    placeholder = check_placeholder(adapter, out, width, height)
-    assert placeholder["pixel_values"].shape == pixel_shape
-    assert placeholder["pixel_values"].dtype == np.float32
+    for width, height in QWEN_VL.sizes:
+        tokens = adapter.num_tokens(width, height)
+        assert tokens == int(np.prod(adapter.grid(width, height))) // processor.merge_size**2
+        patches = processor.get_number_of_image_patches(height, width)
+        assert tokens * processor.merge_size**2 == patches, (width, height)
 
 
 @pytest.mark.parametrize(("width", "height"), [(1, 1), (3, 7), (641, 479), (1920, 1080), (5, 1000)])
@@ -101,29 +46,6 @@ def test_unusual_layout_matches_the_real_processor(width, height):
     assert adapter.grid(width, height) == tuple(int(v) for v in out["image_grid_thw"][0])
     assert adapter.num_tokens(width, height) == np.prod(out["image_grid_thw"][0])
     assert adapter.placeholder(width, height)["pixel_values"].shape == out["pixel_values"].shape
-
-
-def test_process_returns_what_the_processor_returns(adapter, small_processor):
-    images = [gradient(300, 200), gradient(64, 900)]
-    ours = adapter.process(images)
-    theirs = small_processor(images=images, return_tensors="np")
-    np.testing.assert_array_equal(ours["pixel_values"], theirs["pixel_values"])
-    np.testing.assert_array_equal(ours["image_grid_thw"], theirs["image_grid_thw"])
-    assert ours["image_grid_thw"].dtype == np.int64
-    for image, grid in zip(images, ours["image_grid_thw"], strict=True):
-        assert adapter.grid(*image.size) == tuple(grid)
-
-
-@pytest.mark.parametrize(("width", "height"), [(1, 201), (201, 1), (2, 403), (5, 1001), (0, 5)])
-def test_unrepresentable_sizes_raise_image_size_error(adapter, small_processor, width, height):
-    with pytest.raises(mmstore.ImageSizeError):
-        adapter.num_tokens(width, height)
-    with pytest.raises(mmstore.ImageSizeError):
-        adapter.placeholder(width, height)
-    if width > 0:
-        # The real processor refuses them too: the adapter is not stricter than the model.
-        with pytest.raises(ValueError, match="aspect ratio"):
-            small_processor(images=[gradient(width, height)], return_tensors="np")
 
 
 # --- choosing an adapter ------------------------------------------------------------------
@@ -143,7 +65,7 @@ def test_adapter_for_reads_the_live_processor(qwen3_processor):
 
 def test_adapter_for_accepts_a_full_processor(small_processor):
     # A transformers ProcessorMixin exposes the image processor and the tokenizer's image
-    # token id; a real Qwen2VLProcessor needs torchvision for its video half (tested below).
+    # token id (a real Qwen2VLProcessor's: tests/test_family_contract.py).
     full = types.SimpleNamespace(image_processor=small_processor, image_token_id=4242)
     adapter = mmstore.adapter_for(full)
     assert adapter.image_processor is small_processor
@@ -152,24 +74,6 @@ def test_adapter_for_accepts_a_full_processor(small_processor):
     tokens, _ = adapter.expand([1, 4242, 2], [media_ref(56, 56)])
     assert tokens == [1, 4242, 4242, 4242, 4242, 2]
     assert mmstore.adapter_for(small_processor, image_token_id=0).image_token_id == 0
-
-
-def test_adapter_for_accepts_a_real_qwen2vl_processor(small_processor):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    vocab = {"[UNK]": 0, "<|image_pad|>": 7, "<|video_pad|>": 8}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]"
-    )
-    processor = Qwen2VLProcessor(
-        image_processor=small_processor,
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(),
-    )
-    assert mmstore.adapter_for(processor).image_token_id == 7
 
 
 @pytest.mark.parametrize(
@@ -196,28 +100,6 @@ def test_adapter_for_refuses_a_subclass():
         mmstore.adapter_for(Derived())
 
 
-def test_adapter_refuses_a_processor_that_does_not_resize():
-    with pytest.raises(mmstore.UnsupportedProcessorError, match="do_resize"):
-        mmstore.adapter_for(Qwen2VLImageProcessorPil(do_resize=False))
-
-
-def test_torchvision_backend_matches_the_pil_backend():
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-
-    processor = Qwen2VLImageProcessor(max_pixels=256 * 28 * 28)
-    adapter = mmstore.adapter_for(processor)
-    assert (
-        adapter.fingerprint
-        == mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=256 * 28 * 28)).fingerprint
-    )
-    for width, height in [(1, 1), (3, 7), (641, 479), (1920, 1080), (5, 1000)]:
-        out = processor(images=[gradient(width, height)], return_tensors="pt")
-        assert adapter.grid(width, height) == tuple(int(v) for v in out["image_grid_thw"][0])
-        assert adapter.placeholder(width, height)["pixel_values"].shape == tuple(
-            out["pixel_values"].shape
-        )
-
-
 # --- fingerprint --------------------------------------------------------------------------
 
 
@@ -237,36 +119,6 @@ def test_fingerprint_is_stable(qwen2_processor):
     # Stores record this value; changing how it is computed orphans every stored layout.
     assert _fingerprint() == _fingerprint() == mmstore.adapter_for(qwen2_processor).fingerprint
     assert _fingerprint() == "e67b02d6e1613ce8"
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"patch_size": 16},
-        {"temporal_patch_size": 1},
-        {"merge_size": 1},
-        {"size": {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 1280}},
-        {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256}},
-        {"min_pixels": 65536},
-        {"max_pixels": 16777216},
-    ],
-    ids=lambda o: ",".join(o),
-)
-def test_fingerprint_changes_with_every_layout_parameter(overrides):
-    assert _fingerprint(**overrides) != _fingerprint()
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
-        {"do_normalize": False},
-        {"rescale_factor": 1 / 127.5},
-    ],
-    ids=lambda o: ",".join(o),
-)
-def test_fingerprint_ignores_non_layout_parameters(overrides):
-    assert _fingerprint(**overrides) == _fingerprint()
 
 
 def test_fingerprint_ignores_the_image_token_id(small_processor):
@@ -348,3 +200,56 @@ def test_check_output_refuses_a_grid_that_does_not_fill_the_span(adapter):
         bad = {"image_grid_thw": np.array([[1, 2, 2]])}
         adapter.check_output(bad, ref, sample_id="s", image_index=3)
     assert (info.value.sample_id, info.value.image_index, info.value.uri) == ("s", 3, ref.uri)
+
+
+def test_expansions_are_cached_per_layout_and_keep_no_processor_alive():
+    import gc
+    import weakref
+
+    from mmstore._families import expansion_array
+    from mmstore._families._base import _cached_expansion
+
+    processor = Qwen2VLImageProcessorPil(max_pixels=123 * 28 * 28)
+    first = mmstore.adapter_for(processor)
+    second = mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=123 * 28 * 28))
+    assert first is not second and first.layout == second.layout
+    array = expansion_array(first, 97, 61)
+    assert array.tolist() == first.expansion(97, 61) and not array.flags.writeable
+    assert expansion_array(second, 97, 61) is array  # one entry serves both adapters
+    gone = weakref.ref(processor)
+    del first, processor
+    gc.collect()
+    assert gone() is None, "the expansion cache kept the adapter's processor alive"
+    assert _cached_expansion.cache_info().maxsize is not None  # bounded
+
+
+def _methods(cls: type) -> set[str]:
+    """The public methods and properties ``cls`` itself defines."""
+    kinds = (property, classmethod, staticmethod)
+    return {
+        name
+        for name, value in vars(cls).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, kinds))
+    }
+
+
+def test_the_family_docstring_names_every_method_a_family_implements_or_may_override():
+    """The class docstring is the contract a third party reads: it names each method."""
+    doc = mmstore.Family.__doc__ or ""
+    undocumented = sorted(
+        name
+        for name in _methods(mmstore.Family)
+        if f":meth:`{name}`" not in doc and f":attr:`{name}`" not in doc
+    )
+    assert not undocumented, f"Family methods its docstring does not name: {undocumented}"
+    for attribute in ("name", "parameter_names", "token_table", "image_inputs"):
+        assert f"``{attribute}``" in doc
+
+
+def test_every_family_publishes_its_image_and_pad_tokens():
+    from mmstore._families import family_class
+
+    for name in mmstore.known_families():
+        table = family_class(name).token_table
+        assert {"image_token_id", "pad_token_id"} <= set(table), name
+        assert all(isinstance(t, mmstore.Token) and t.text for t in table.values()), name

@@ -19,6 +19,7 @@ from transformers.models.pixtral.image_processing_pixtral import PixtralImagePro
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
+from mmstore._families import takes_tensors
 from mmstore._format.media import decode_rgb_tensor, encode_image
 from mmstore._tensors import cast_floats
 from tests.families_common import noise
@@ -49,7 +50,7 @@ def _tensors(sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
 def test_cast_inside_equals_the_processor_then_the_cast(family: str, dtype: torch.dtype) -> None:
     processor = PROCESSORS[family]()
     adapter = mmstore.adapter_for(processor)
-    assert adapter.family == family and adapter.takes_tensors
+    assert adapter.family == family and takes_tensors(adapter.image_processor)
     for images in ([im] for im in _tensors(SIZES)), [_tensors(SIZES[:2])]:
         for batch in images:
             want = cast_floats(adapter.process(batch), dtype)

@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
+from mmstore._families import takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
 
 from .conftest import SMALL_MAX_PIXELS
@@ -113,7 +114,7 @@ def stored(tmp_path_factory, small_processor):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_torchvision_batches_are_the_processors_output(stored, workers):
     processor = Qwen2VLImageProcessor(max_pixels=SMALL_MAX_PIXELS)
-    assert mmstore.adapter_for(processor).takes_tensors
+    assert takes_tensors(mmstore.adapter_for(processor).image_processor)
     ds = mmstore.RolloutDataset(stored, processor, shuffle=False, node_cache_bytes=0)
     batch = next(iter(mmstore.RolloutLoader(ds, batch_size=3, num_workers=workers)))
     refs = _refs_of(stored, batch["sample_ids"])
@@ -123,7 +124,7 @@ def test_torchvision_batches_are_the_processors_output(stored, workers):
     assert torch.equal(batch["image_grid_thw"], expected["image_grid_thw"])
     # and the PIL backend's pixels, to bf16 precision
     pil = Qwen2VLImageProcessorPil(max_pixels=SMALL_MAX_PIXELS)
-    assert not mmstore.adapter_for(pil).takes_tensors
+    assert not takes_tensors(mmstore.adapter_for(pil).image_processor)
     reference = pil(images=images, return_tensors="pt")
     assert torch.equal(batch["image_grid_thw"], reference["image_grid_thw"])
     torch.testing.assert_close(

@@ -25,6 +25,8 @@ from mmstore._format.media import decode_rgb_tensor
 from mmstore._loading.device import PENDING_KEY, DevicePreprocessor, PendingImage
 from mmstore.synth import screenshot
 from tests.conftest import SMALL_MAX_PIXELS
+from tests.families_common import tiny_model, tiny_qwen2_vl_config
+from tests.family_cases import CASES, store_images, write_rows
 from tests.test_loader import _refs_of, write_steps
 from tests.test_packing import write_mixed
 
@@ -229,38 +231,13 @@ def test_cuda_without_cuda_is_refused_naming_the_device(stored, processor):
         mmstore.RolloutLoader(ds, preprocess_device="cuda:0")
 
 
-def _glm4v(store):
-    from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
-
-    from tests.test_family_glm4v import SMALL, SMALL_SIZE, _image, _processor, _write
-
-    processor = _processor(Glm4vImageProcessor(size=SMALL_SIZE), SMALL)
-    rows = [
-        ("two", [_image(300, 200), _image(57, 91, seed=1)]),
-        ("one", [_image(640, 480, seed=2)]),
-        ("text", []),
-    ]
-    _write(store, mmstore.adapter_for(processor), processor, rows)
-    return processor
-
-
-def _kimi_k25(store):
-    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
-
-    from tests.test_family_kimi_k25 import SMALL, _fill, _processor
-
-    image_processor = Kimi_K25ImageProcessor(
-        max_patches=64, size={"max_height": 16, "max_width": 16}
-    )
-    processor = _processor(image_processor, SMALL)
-    _fill(store, mmstore.adapter_for(processor), processor)
-    return processor
-
-
-@pytest.mark.parametrize("fill", [_glm4v, _kimi_k25], ids=["glm4v", "kimi-k25"])
-def test_other_families(tmp_path, fill):
+@pytest.mark.parametrize("name", ["glm4v", "kimi-k25"])
+def test_other_families(tmp_path, name):
+    case = CASES[name]
+    processor = case.small("torchvision")
     store = mmstore.Store.open(tmp_path / "s", create=True)
-    processor = fill(store)
+    a, b, c = store_images(case)
+    write_rows(store, case, processor, [("two", [a, b]), ("one", [c]), ("text", [])])
     out = {}
     for device in (None, "cpu"):
         ds = mmstore.RolloutDataset(store, processor, shuffle=False, node_cache_bytes=0)
@@ -270,21 +247,8 @@ def test_other_families(tmp_path, fill):
 
 
 def _layout_adapters():
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
-    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
-    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
-
-    from tests import test_family_gemma3, test_family_pixtral
-
-    pixtral = PixtralImageProcessorPil(patch_size=14, size={"longest_edge": 1540})
-    return [
-        Qwen2VLImageProcessor(),
-        Glm4vImageProcessorPil(),
-        Kimi_K25ImageProcessor(),
-        test_family_pixtral._processor(pixtral, patch_size=14, merge=2),
-        test_family_gemma3._full(Gemma3ImageProcessorPil(size={"height": 896, "width": 896})),
-    ]
+    # Every family's flagship layout, and Qwen-VL's torchvision backend.
+    return [*(case.published() for case in CASES.values()), Qwen2VLImageProcessor()]
 
 
 def test_integer_tensors_are_the_placeholders_without_pixels():
@@ -314,7 +278,7 @@ def _to(batch, names, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_on_a_gpu_the_image_tensors_live_there_and_a_model_takes_them(stored, processor, packed):
-    from tests.test_packing_model import qwen2_vl
+    from transformers import Qwen2VLForConditionalGeneration
 
     cpu = batches(stored, processor, packed=packed)
     gpu = batches(stored, processor, device="cuda", workers=2, packed=packed, pin_memory=True)
@@ -335,7 +299,9 @@ def test_on_a_gpu_the_image_tensors_live_there_and_a_model_takes_them(stored, pr
         torch.testing.assert_close(
             b["pixel_values"].cpu().float(), a["pixel_values"].float(), atol=2 * levels, rtol=0.016
         )
-    model = qwen2_vl("sdpa").to("cuda", torch.bfloat16)
+    config = tiny_qwen2_vl_config(num_hidden_layers=2)
+    model = tiny_model(Qwen2VLForConditionalGeneration, config, torch.float32, attn="sdpa")
+    model = model.to("cuda", torch.bfloat16)
     ds = mmstore.RolloutDataset(stored, processor)
     names = mmstore.RolloutLoader(ds, max_tokens=700 if packed else None).model_input_names
     with torch.no_grad():

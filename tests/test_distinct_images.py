@@ -3,7 +3,7 @@
 The check is the plain batch: expanded, a distinct batch equals it tensor for tensor, on
 every loader path (workers, node cache, packed, preprocessing on a device); and the real
 model's vision tower gives each image of the plain batch the features of its distinct image.
-The other families run the same check in their own test files (``check_distinct_images``).
+Every family runs the same check in ``tests/test_family_contract.py`` (``check_distinct_images``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from mmstore._loading.distinct import distinct
-from mmstore.synth import grpo_rollouts
+from mmstore.synth import write_grpo_steps
 from tests.families_common import (
     check_distinct_images,
     model_inputs,
@@ -28,19 +28,15 @@ from tests.families_common import (
 @pytest.fixture
 def grpo(store, adapter):
     """Groups of 4 sharing 2 images of 112x84, written two groups per file."""
-    for step in range(2):
-        rollouts = grpo_rollouts(
-            store,
-            adapter,
-            groups=2,
-            group_size=4,
-            image_size=(112, 84),
-            completion_len=10,
-            seed=step,
-        )
-        with store.writer(run_id="grpo", step=step, adapter=adapter) as writer:
-            for rollout in rollouts:
-                writer.write(rollout)
+    write_grpo_steps(
+        store,
+        adapter,
+        run_id="grpo",
+        groups=2,
+        group_size=4,
+        image_size=(112, 84),
+        completion_len=10,
+    )
     return store
 
 
@@ -82,7 +78,7 @@ def test_a_batch_without_images_expands_to_itself(store, adapter, small_processo
             )
         )
     ds = mmstore.RolloutDataset(store, small_processor)
-    (batch,) = mmstore.RolloutLoader(ds, 2, distinct_images=True)
+    (batch,) = mmstore.RolloutLoader(ds, batch_size=2, distinct_images=True)
     assert batch["image_index"].shape == (0,) and batch["pixel_values"] is None
     plain = mmstore.expand_images(dict(batch))
     assert "image_index" not in plain and plain["pixel_values"] is None
@@ -97,7 +93,7 @@ def test_the_vision_tower_once_per_distinct_image(grpo, small_processor):
         Qwen2VLForConditionalGeneration, tiny_qwen2_vl_config(num_hidden_layers=1), torch.float32
     )
     ds = mmstore.RolloutDataset(grpo, small_processor, dtype=torch.float32, shuffle=False)
-    loader = mmstore.RolloutLoader(ds, 4, distinct_images=True)
+    loader = mmstore.RolloutLoader(ds, batch_size=4, distinct_images=True)
     batch = next(iter(loader))
     plain = mmstore.expand_images(dict(batch))
     assert batch["pixel_values"].shape[0] < plain["pixel_values"].shape[0]

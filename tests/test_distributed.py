@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore.synth import grpo_rollouts
+from mmstore.synth import write_grpo_steps
 
 SMALL = 256 * 28 * 28
 
@@ -38,20 +38,17 @@ def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
 def test_two_gloo_ranks_are_disjoint_and_complete(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
-    expected = []
-    for step in range(2):
-        with store.writer(run_id="d", step=step, row_group_size=4) as w:
-            for r in grpo_rollouts(
-                store,
-                adapter,
-                groups=3,
-                group_size=4,
-                images_per_sample=1,
-                image_size=(128, 96),
-                seed=step,
-            ):
-                w.write(r)
-                expected.append(r.sample_id)
+    written = write_grpo_steps(
+        store,
+        adapter,
+        run_id="d",
+        row_group_size=4,
+        groups=3,
+        group_size=4,
+        images_per_sample=1,
+        image_size=(128, 96),
+    )
+    expected = [r.sample_id for r in written]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

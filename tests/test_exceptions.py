@@ -32,6 +32,10 @@ TREE = [
     (mmstore.NoMatchError, LookupError),
     (mmstore.DestinationExistsError, FileExistsError),
     (mmstore.DeleteFailedError, OSError),
+    (mmstore.TableNotFoundError, FileNotFoundError),
+    (mmstore.TableVersionError, LookupError),
+    (mmstore.TableConflictError, RuntimeError),
+    (mmstore.TableForkError, RuntimeError),
 ]
 
 ALL_ERRORS = [
@@ -62,7 +66,8 @@ def test_every_error_is_drawn_in_the_docstring_and_exported():
         assert error.__name__ in doc, f"{error.__name__} missing from the drawn tree"
         assert error.__name__ in mmstore.__all__
         assert getattr(mmstore, error.__name__) is error
-    assert {e for e, _ in TREE} | {mmstore.MmstoreError, mmstore.MediaError} == set(ALL_ERRORS)
+    parents = {mmstore.MmstoreError, mmstore.MediaError, mmstore.TableError}
+    assert {e for e, _ in TREE} | parents == set(ALL_ERRORS)
 
 
 def test_context_is_in_the_message_and_readable_as_attributes():
@@ -99,3 +104,56 @@ def test_pickling_keeps_type_message_and_context(error):
         assert clone.message == "it broke"
         assert clone.context == err.context
         assert clone.image_index == 0
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=[e.__name__ for e in ALL_ERRORS])
+def test_with_context_keeps_the_type_and_adds_where(error):
+    err = error("it broke", uri="media/ab/cd/x.png")
+    where = err.with_context(file="rollouts/x.parquet", sample_id="s", image_index=None)
+    assert type(where) is error and where is not err
+    assert where.message == "it broke"
+    assert where.context == {
+        "uri": "media/ab/cd/x.png",
+        "file": "rollouts/x.parquet",
+        "sample_id": "s",
+    }
+    assert (
+        str(where) == "it broke (uri='media/ab/cd/x.png', file='rollouts/x.parquet', sample_id='s')"
+    )
+    assert where.file == "rollouts/x.parquet"
+    # the original is untouched, and the copy still pickles with its context
+    assert err.context == {"uri": "media/ab/cd/x.png"} and str(err).endswith("x.png')")
+    assert str(pickle.loads(pickle.dumps(where))) == str(where)
+
+
+def test_with_context_keeps_what_the_raise_site_recorded():
+    err = mmstore.InvalidRolloutError("span overlaps", image_index=2, sample_id="inner")
+    where = err.with_context(sample_id="outer", image_index=0, run_id="r1")
+    assert where.context == {"image_index": 2, "sample_id": "inner", "run_id": "r1"}
+
+
+def test_with_context_keeps_the_builtin_a_caller_catches():
+    err = mmstore.MediaNotFoundError("referenced media is not in the store", uri="u")
+    with pytest.raises(FileNotFoundError) as caught:
+        raise err.with_context(sample_id="s")
+    assert isinstance(caught.value, mmstore.MediaError)
+    assert caught.value.sample_id == "s" and caught.value.uri == "u"
+
+
+class _WithPath(mmstore.CorruptFileError):
+    """A subclass with an attribute of its own and a constructor of another shape."""
+
+    def __init__(self, path: str, **context: object) -> None:
+        super().__init__(f"cannot read {path}", **context)
+        self.path = path
+
+
+def test_with_context_keeps_a_subclass_and_its_own_attributes():
+    err = _WithPath("x.parquet", run_id="r1")
+    err.add_note("seen twice")
+    where = err.with_context(step=3)
+    assert type(where) is _WithPath
+    assert where.path == "x.parquet" and where.__notes__ == ["seen twice"]
+    assert where.message == "cannot read x.parquet"
+    assert where.context == {"run_id": "r1", "step": 3}
+    assert isinstance(where, ValueError)

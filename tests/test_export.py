@@ -57,15 +57,12 @@ def test_an_export_trains_through_the_loader_after_the_source_is_gone(
 ):
     import torch
 
-    from mmstore.synth import grpo_rollouts
+    from mmstore.synth import write_grpo_steps
 
     source = mmstore.Store.open(tmp_path / "source", create=True)
-    for step in range(4):
-        with source.writer(run_id="r1", step=step) as w:
-            for r in grpo_rollouts(
-                source, adapter, groups=2, group_size=2, image_size=(96, 64), seed=step
-            ):
-                w.write(r)
+    write_grpo_steps(
+        source, adapter, run_id="r1", steps=range(4), groups=2, group_size=2, image_size=(96, 64)
+    )
     mmstore.export(source, tmp_path / "dump", runs=["r1"], steps=range(1, 3))
     shutil.rmtree(tmp_path / "source")
     # Opened from another path: store-relative URIs keep resolving.

@@ -1,5 +1,17 @@
 """The family registry: a third party plugs a family in and trains through it; fingerprints
-keep families apart; stores holding several families stay readable for people."""
+keep families apart; stores holding several families stay readable for people.
+
+A new family is one case plus its quirks. For a family with a transformers processor and
+model, that is one :class:`tests.family_cases.FamilyCase` added to ``CASES`` (its image
+processor classes, its full processor over an offline tokenizer with published and small
+token ids, the chat template's text for one image, sizes to check, a tiny random-weight
+model), and every test of ``tests/test_family_contract.py`` runs on it; a
+``tests/test_family_<name>.py`` keeps what only that family does. The toy family below is not
+such a case: the contract checks each family against its real full processor (text and
+images to token ids and tensors) and its transformers model (outputs with ``loss`` and
+``logits``, packed and alone), and the toy has neither; so this file keeps the registry's own
+tests, through the toy's image processor and a toy model.
+"""
 
 from __future__ import annotations
 
@@ -43,13 +55,12 @@ def _cells(width: int, height: int, cell: int) -> tuple[int, int]:
 class ToyFamily(Family):
     name = "toy"
     parameter_names = ("cell",)
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": BOI,
-        "soft_token_id": IMG,
-        "end_token_id": EOI,
-        "pad_token_id": PAD,
+    token_table: ClassVar[Mapping[str, mmstore.Token]] = {
+        "image_token_id": mmstore.Token("<boi>", BOI),
+        "soft_token_id": mmstore.Token("<img>", IMG),
+        "end_token_id": mmstore.Token("<eoi>", EOI),
+        "pad_token_id": mmstore.Token("<pad>", PAD),
     }
-    token_strings: ClassVar[Mapping[str, str]] = {}
     image_inputs: ClassVar[Mapping[str, Any]] = {"pixel_values": "cat"}
 
     @classmethod

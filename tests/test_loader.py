@@ -11,25 +11,25 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
-from mmstore.synth import grpo_rollouts, screenshot
+from mmstore.synth import screenshot, write_grpo_steps
 from tests.families_common import tiny_qwen2_vl_config
 
 SMALL = 256 * 28 * 28
 
 
 def write_steps(store, adapter, *, steps=2, groups=4, group_size=4, run="r1", row_group_size=8):
-    for step in range(steps):
-        with store.writer(run_id=run, step=step, row_group_size=row_group_size) as w:
-            for r in grpo_rollouts(
-                store,
-                adapter,
-                groups=groups,
-                group_size=group_size,
-                images_per_sample=2,
-                image_size=(320, 200),
-                seed=step,
-            ):
-                w.write(r)
+    """GRPO steps of this file's shape: 2 images of 320x200 per sample, 8 rows a row group."""
+    write_grpo_steps(
+        store,
+        adapter,
+        run_id=run,
+        steps=range(steps),
+        row_group_size=row_group_size,
+        groups=groups,
+        group_size=group_size,
+        images_per_sample=2,
+        image_size=(320, 200),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +367,20 @@ def test_runs_and_steps_select(filled, small_processor):
     assert len(mmstore.RolloutDataset(filled, small_processor, runs="r1")) == 32
 
 
+def test_a_sample_says_where_its_row_came_from(filled, small_processor):
+    """The record the checks built carries the row's origin (what its errors would name)."""
+    ds = mmstore.RolloutDataset(filled, small_processor, shuffle=False)
+    seen = 0
+    for sample in ds:
+        step = int(sample.sample_id[1])  # grpo_rollouts ids: g<step>-<group>-<k>
+        assert sample.where["sample_id"] == sample.sample_id
+        assert (sample.where["run_id"], sample.where["step"]) == ("r1", step)
+        assert f"run_id=r1/step={step}/" in sample.where["file"]
+        assert sample.input_ids.dtype == torch.int64 and len(sample.images) == 2
+        seen += 1
+    assert seen == 32
+
+
 def test_ranks_are_disjoint_and_complete(filled, small_processor):
     for world in (2, 3):
         seen = []
@@ -418,17 +432,17 @@ def test_even_ranks_give_every_rank_the_same_number_of_batches(tmp_path, small_p
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
     for step, groups in enumerate((3, 1, 2)):  # files of 12, 4 and 8 rows in groups of 4
-        with store.writer(run_id="u", step=step, row_group_size=4) as w:
-            for r in grpo_rollouts(
-                store,
-                adapter,
-                groups=groups,
-                group_size=4,
-                images_per_sample=1,
-                image_size=(64, 48),
-                seed=step,
-            ):
-                w.write(r)
+        write_grpo_steps(
+            store,
+            adapter,
+            run_id="u",
+            steps=[step],
+            row_group_size=4,
+            groups=groups,
+            group_size=4,
+            images_per_sample=1,
+            image_size=(64, 48),
+        )
 
     def loaders(even):
         return [
@@ -460,7 +474,7 @@ def test_workers_never_receive_the_parents_cache(filled, small_processor):
     list(loader)  # images seen again in a later window stay in the main process's cache
     assert len(ds.materializer().cache) > 0
     shipped = pickle.loads(pickle.dumps(ds))
-    assert shipped._materializer is None
+    assert shipped.source.built is None and shipped.source.prefetcher is None
     assert len(pickle.dumps(ds)) < 1_000_000
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -62,7 +63,7 @@ def test_only_images_another_process_may_ask_for_are_published(tmp_path):
             w.write(make_row(adapter, [store.put_media(image_bytes(10 + i))], f"own-{i}"))
     directory = tmp_path / "node"
     got = batches(store, directory)
-    assert [e.name for e in directory.iterdir()] == [node_key(directory, shared.hash, adapter)]
+    assert published(directory) == {node_key(directory, shared.hash, adapter)}
     assert sum(b["node_cache_misses"] for b in got) == 5  # each image processed once
     plain = batches(store, tmp_path / "off", node_cache_bytes=0)
     for a, b in zip(plain, got, strict=True):
@@ -70,7 +71,10 @@ def test_only_images_another_process_may_ask_for_are_published(tmp_path):
 
 
 def published(directory):
-    return {e.name for e in directory.iterdir()} if directory.exists() else set()
+    """Names of the entries at ``directory`` (not the cache's own dot files)."""
+    if not directory.exists():
+        return set()
+    return {e.name for e in directory.iterdir() if not e.name.startswith(".")}
 
 
 def node_key(directory, hash_, adapter):
@@ -308,3 +312,120 @@ def test_the_process_cache_lets_an_image_go_when_its_window_is_done_unless_it_re
     # tasks share stays cached), so a third epoch processes nothing.
     assert epoch() == [(7, 1, i + 1) for i in range(4)]
     assert epoch() == [(8, 0, 4)] * 4
+
+
+# -- trust (issue 30): what a loader trains on never depends on what the node holds --------
+
+
+def media_path(store, ref):
+    backend, rel = store.resolve(ref.uri)
+    return backend.abspath(rel)
+
+
+def publish_all(store, directory):
+    """Every image of a ``grouped_store`` published at ``directory``, as an earlier process
+    of the node leaves them (each group split across the two workers)."""
+    ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
+    list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))
+
+
+@pytest.mark.parametrize("missing", ["error", "placeholder_zero_loss"])
+def test_lost_media_is_lost_whatever_the_node_cache_holds(tmp_path, missing):
+    # An earlier process published every image, then one media file was deleted: a loader
+    # raises (or masks) as it does with an empty node cache, instead of training the image.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 24)
+    directory = tmp_path / "node"
+    publish_all(store, directory)
+    assert node_key(directory, refs[1].hash, adapter) in published(directory)
+    os.unlink(media_path(store, refs[1]))
+
+    def run(node_dir):
+        ds = mmstore.RolloutDataset(
+            store, processor(), missing=missing, node_cache_dir=str(node_dir)
+        )
+        return list(mmstore.RolloutLoader(ds, batch_size=4))
+
+    if missing == "error":
+        for node_dir in (tmp_path / "empty", directory):
+            with pytest.raises(mmstore.MediaNotFoundError) as caught:
+                run(node_dir)
+            assert caught.value.uri == refs[1].uri
+        return
+    with pytest.warns(UserWarning, match="missing media"):
+        empty = run(tmp_path / "empty")
+    with pytest.warns(UserWarning, match="missing media"):
+        left = run(directory)
+    assert sum(b["node_cache_hits"] for b in left) == 2  # the two images still there
+    assert sum(b["images_missing"] for b in left) == 8
+    for a, b in zip(empty, left, strict=True):
+        assert a["images_missing"] == b["images_missing"]
+        assert torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def test_a_node_cache_directory_others_may_write_to_is_not_trusted(tmp_path):
+    # Another user pre-created the directory world-writable and planted whole, well-formed
+    # entries (zero pixels, the right shapes) under the keys anyone can compute.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 24)
+    directory = tmp_path / "shared"
+    planter = NodeCache(str(directory), 1 << 30)
+    for ref in refs:
+        zeros = adapter.placeholder(ref.width, ref.height)
+        planted = {k: torch.from_numpy(v) for k, v in zeros.items()}
+        planted["pixel_values"] = planted["pixel_values"].to(torch.bfloat16)
+        planter.get_or_compute(node_key(directory, ref.hash, adapter), lambda p=planted: p)
+    os.chmod(directory, 0o777)
+    with pytest.warns(RuntimeWarning, match="node cache off"):
+        got = batches(store, directory)
+    plain = batches(store, tmp_path / "off", node_cache_bytes=0)
+    assert sum(b["node_cache_hits"] for b in got) == 0
+    for a, b in zip(plain, got, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def flip_a_pixel_bit(path, entry):
+    with open(path, "r+b") as f:
+        f.seek(-7, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-7, os.SEEK_END)
+        f.write(bytes([byte ^ 0x40]))
+
+
+def as_float16(path, entry):
+    return {**entry, "pixel_values": entry["pixel_values"].to(torch.float16)}
+
+
+def another_shape(path, entry):
+    rows, cols = entry["pixel_values"].shape
+    return {**entry, "pixel_values": entry["pixel_values"].reshape(rows * 2, cols // 2)}
+
+
+def without_the_grid(path, entry):
+    return {"pixel_values": entry["pixel_values"]}
+
+
+@pytest.mark.parametrize("damage", [flip_a_pixel_bit, as_float16, another_shape, without_the_grid])
+def test_an_entry_that_is_not_the_processors_is_recomputed(tmp_path, damage):
+    # A flipped bit, or a whole (checksummed) entry of another dtype, shape or keys: each is
+    # processed again, and replaced; the batches equal the processor's.
+    store, adapter, refs = grouped_store(tmp_path / "s", 3, 8, 24)
+    directory = tmp_path / "node"
+    publish_all(store, directory)
+    cache = NodeCache(str(directory), 1 << 30)
+    for ref in refs:
+        key = node_key(directory, ref.hash, adapter)
+        entry = {k: v.clone() for k, v in cache.get_or_compute(key, pytest.fail).items()}
+        replacement = damage(str(directory / key), entry)
+        if replacement is not None:  # a whole entry, republished under the key
+            os.unlink(directory / key)
+            cache.get_or_compute(key, lambda r=replacement: r)
+    ds = mmstore.RolloutDataset(store, processor(), node_cache_dir=str(directory))
+    got = list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))
+    plain = list(mmstore.RolloutLoader(mmstore.RolloutDataset(store, processor()), batch_size=4))
+    assert sum(b["node_cache_misses"] for b in got) == len(refs)  # each processed again, once
+    for a, b in zip(plain, got, strict=True):
+        assert b["pixel_values"].dtype == torch.bfloat16
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+        assert torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    again = list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))  # replaced: hits now
+    assert sum(b["node_cache_misses"] for b in again) == 0

@@ -350,8 +350,8 @@ def test_one_dimensional_families_restart_positions_per_sample(small_processor):
     """A 1-D RoPE family (its position_ids the base 0..L-1) packs to ``[1, T]`` positions."""
     from mmstore._families import Family
     from mmstore._families.qwen_vl import QwenVL
-    from mmstore._loading.materialize import Sample
     from mmstore._loading.microbatch import pack
+    from mmstore._rows.check import Sample
 
     class OneD(QwenVL):
         position_rows = 1
@@ -361,15 +361,15 @@ def test_one_dimensional_families_restart_positions_per_sample(small_processor):
 
     def sample(sid, n):
         return Sample(
-            sid,
-            None,
-            torch.arange(n) + 5,
-            torch.ones(n, dtype=torch.bool),
-            torch.zeros(n, dtype=torch.bool),
-            None,
-            1,
-            0.0,
-            0.0,
+            sample_id=sid,
+            group_id=None,
+            input_ids=torch.arange(n) + 5,
+            loss_mask=torch.ones(n, dtype=torch.bool),
+            logprobs=None,
+            prompt_len=1,
+            reward=0.0,
+            advantage=0.0,
+            images=[],
         )
 
     batch = pack([sample("a", 3), sample("b", 4)], family, add_dummy=True, dtype=torch.float32)

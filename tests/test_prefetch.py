@@ -32,8 +32,8 @@ def test_prefetch_gives_the_same_batches_on_s3(s3_store, adapter, small_processo
     _filled(s3_store, adapter)
     plain_ds, plain = _batches(s3_store, small_processor, prefetch_requests=0)
     ahead_ds, ahead = _batches(s3_store, small_processor)  # remote store: prefetch on
-    assert plain_ds._prefetcher is None
-    assert isinstance(ahead_ds._prefetcher, Prefetcher)
+    assert plain_ds.source.prefetcher is None
+    assert isinstance(ahead_ds.source.prefetcher, Prefetcher)
     assert len(plain) == len(ahead) == 3
     for a, b in zip(plain, ahead, strict=True):
         assert a.keys() == b.keys()
@@ -47,7 +47,7 @@ def test_prefetch_gives_the_same_batches_on_s3(s3_store, adapter, small_processo
 def test_a_local_store_reads_without_a_prefetcher(store, adapter, small_processor):
     _filled(store, adapter)
     ds, batches = _batches(store, small_processor)
-    assert batches and ds._prefetcher is None
+    assert batches and ds.source.prefetcher is None
 
 
 def test_read_ahead_stays_within_its_byte_bound(s3_store, adapter):
@@ -75,7 +75,7 @@ def test_a_missing_image_is_still_a_typed_error_naming_the_sample(
     ds = mmstore.RolloutDataset(s3_store, small_processor, shuffle=False, node_cache_bytes=0)
     with pytest.raises(mmstore.MediaNotFoundError) as info:
         list(mmstore.RolloutLoader(ds, batch_size=3))
-    assert isinstance(ds._prefetcher, Prefetcher)
+    assert isinstance(ds.source.prefetcher, Prefetcher)
     assert info.value.context["uri"] == refs[2].uri
     assert info.value.context["sample_id"] == "r1-0-1"
     assert info.value.context["image_index"] == 1
@@ -110,7 +110,7 @@ def test_images_in_the_node_cache_are_not_read_ahead(
     monkeypatch.setattr(s3_store, "read_media", lambda *a: reads.append(a) or real(*a))
     again = mmstore.RolloutDataset(s3_store, small_processor, **cached)
     second = list(mmstore.RolloutLoader(again, batch_size=3))
-    assert isinstance(again._prefetcher, Prefetcher)
+    assert isinstance(again.source.prefetcher, Prefetcher)
     assert sorted(s for b in second for s in b["sample_ids"]) == sorted(
         b["sample_ids"][0] for b in first
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmstore
-from mmstore.synth import grpo_rollouts, photo
+from mmstore.synth import photo, write_grpo_steps
 
 ray = pytest.importorskip("ray")
 mmray = pytest.importorskip("mmstore.integrations.ray")
@@ -41,18 +41,16 @@ def cluster():
 def filled(tmp_path_factory, small_processor):
     store = mmstore.Store.open(tmp_path_factory.mktemp("ray") / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
-    for step in range(2):
-        with store.writer(run_id="0042", step=step, row_group_size=4) as w:
-            for r in grpo_rollouts(
-                store,
-                adapter,
-                groups=3,
-                group_size=4,
-                images_per_sample=1,
-                image_size=(120, 90),
-                seed=step,
-            ):
-                w.write(r)
+    write_grpo_steps(
+        store,
+        adapter,
+        run_id="0042",
+        row_group_size=4,
+        groups=3,
+        group_size=4,
+        images_per_sample=1,
+        image_size=(120, 90),
+    )
     return store
 
 

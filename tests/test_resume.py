@@ -7,7 +7,8 @@ import torch
 
 import mmstore
 from mmstore._loading import dataset as _dataset
-from mmstore.synth import grpo_rollouts
+from mmstore._loading import spec as _spec
+from mmstore.synth import write_grpo_steps
 from tests.resume_harness import check_resume
 
 
@@ -17,17 +18,17 @@ def filled(tmp_path_factory, small_processor):
     store = mmstore.Store.open(tmp_path_factory.mktemp("resume") / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
     for step in range(3):
-        with store.writer(run_id="r", step=step, row_group_size=5) as w:
-            for r in grpo_rollouts(
-                store,
-                adapter,
-                groups=3,
-                group_size=3 + step,
-                images_per_sample=1,
-                image_size=(160, 120),
-                seed=step,
-            ):
-                w.write(r)
+        write_grpo_steps(
+            store,
+            adapter,
+            run_id="r",
+            steps=[step],
+            row_group_size=5,
+            groups=3,
+            group_size=3 + step,
+            images_per_sample=1,
+            image_size=(160, 120),
+        )
     return store
 
 
@@ -55,7 +56,14 @@ def test_batch_stream_resumes(filled, small_processor):
 
     def make():
         return _dataset._BatchStream(
-            ds, epoch=2, start=0, batch_size=4, drop_last=False, dummy_image=False, pad_token_id=0
+            ds.spec,
+            ds.source,
+            epoch=2,
+            start=0,
+            batch_size=4,
+            drop_last=False,
+            dummy_image=False,
+            pad_token_id=0,
         )
 
     check_resume(make, key=batch_key, cuts=range(0, 8))
@@ -103,9 +111,7 @@ def test_state_pins_the_snapshot(filled, small_processor, tmp_path):
     head = [batch_key(b) for _, b in zip(range(3), loader, strict=False)]
     state = loader.state_dict()
     adapter = mmstore.adapter_for(small_processor)
-    with store.writer(run_id="r", step=9) as w:
-        for r in grpo_rollouts(store, adapter, groups=2, image_size=(160, 120), seed=9):
-            w.write(r)
+    write_grpo_steps(store, adapter, run_id="r", steps=[9], groups=2, image_size=(160, 120))
     resumed = mmstore.RolloutLoader(dataset(store, small_processor), batch_size=4)
     resumed.load_state_dict(state)
     assert head + [batch_key(b) for b in resumed] == reference
@@ -118,9 +124,9 @@ def test_seek_reads_no_window_before_the_cut(filled, small_processor, monkeypatc
     first_window = plan.window_of(cut * 2)
     assert first_window > 0
     read = []
-    real = _dataset.read_units
+    real = _spec.read_units
     monkeypatch.setattr(
-        _dataset, "read_units", lambda store, units: read.append(units) or real(store, units)
+        _spec, "read_units", lambda store, units: read.append(units) or real(store, units)
     )
     loader.load_state_dict({**loader.state_dict(), "batches_yielded": cut})
     next(iter(loader))
@@ -151,7 +157,7 @@ def epoch_loop(loader, epochs, *, start=0, stop_after=None):
 def test_usual_epoch_loop_keeps_the_resume_point(filled, small_processor, cut):
     """``set_epoch(e)`` at the top of the loop after ``load_state_dict`` must not rewind e
     (cut 9 is epoch 0's last batch, 12 lies in epoch 1)."""
-    reference = epoch_loop(mmstore.RolloutLoader(dataset(filled, small_processor), 4), 2)
+    reference = epoch_loop(mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4), 2)
     first = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
     head = epoch_loop(first, 2, stop_after=cut)
     state = first.state_dict()

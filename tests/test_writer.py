@@ -413,6 +413,5 @@ def test_a_custom_tokenizers_adapter_decides_alone(store, small_processor):
         with pytest.raises(mmstore.InvalidRolloutError, match="outside every image span"):
             w.write(stray_text_row("bad", 99))
         # Qwen's published placeholder id is ordinary text to this tokenizer.
-        w.write(
-            stray_text_row("ordinary-text", mmstore.QwenVL.published_token_ids["image_token_id"])
-        )
+        published = mmstore.QwenVL.token_table["image_token_id"].published_id
+        w.write(stray_text_row("ordinary-text", published))

@@ -1,7 +1,15 @@
 """Model families: one small base protocol (:mod:`._base`), one module per family, and a
 registry from processor classes to families (:mod:`._registry`)."""
 
-from mmstore._families._base import Collation, Family, Layout
+from mmstore._families._base import (
+    Collation,
+    Family,
+    Layout,
+    Token,
+    expansion_array,
+    run_processor,
+    takes_tensors,
+)
 from mmstore._families._registry import (
     adapter_for,
     family_class,
@@ -18,7 +26,9 @@ __all__ = [
     "Collation",
     "Family",
     "Layout",
+    "Token",
     "adapter_for",
+    "expansion_array",
     "family_class",
     "family_for_layout",
     "known_families",
@@ -27,4 +37,6 @@ __all__ = [
     "layout_from_record",
     "register_family",
     "register_layout",
+    "run_processor",
+    "takes_tensors",
 ]

@@ -7,9 +7,14 @@ each rollout file's footer keeps, so a reader can redo the layout math without t
 
 A :class:`Family` is that layout plus behaviour. Bound to a live transformers image processor
 it is the *adapter* (``mmstore.adapter_for``): it expands image tokens, runs the processor,
-builds zero placeholders and collates the family's tensors. Built from a layout alone (a
-footer, a fingerprint seen in this process) it still answers every question of layout math:
-the expansion of an image, its token count, the shape of its pixels.
+builds zero placeholders and says which tensors the family's model takes. Built from a layout
+alone (a footer, a fingerprint seen in this process) it still answers every question of layout
+math: the expansion of an image, its token count, the shape of its pixels.
+
+What no family does its own way lives beside the class, not on it: the cached expansion
+arrays the checks read (:func:`expansion_array`, per layout), running the processor
+(:func:`run_processor`, :func:`takes_tensors`); the batch's model inputs and token types live
+with collate (:mod:`mmstore._loading.collate`).
 
 Nothing outside the family modules names a family's tensors or token ids: the store, writer,
 loader, collate and the vLLM integration ask the family.
@@ -78,27 +83,59 @@ class Layout:
     def image_token_id(self) -> int:
         return self.token_id("image_token_id")
 
+    @property
+    def pad_token_id(self) -> int:
+        """The token that pads a batch (the tokenizer's pad token)."""
+        return self.token_id("pad_token_id")
+
     def params(self) -> dict[str, Any]:
         """The footer record: family, layout parameters and token ids, flat."""
         return {"family": self.family, **dict(self.parameters), **dict(self.token_ids)}
 
 
+@dataclass(frozen=True)
+class Token:
+    """One of a family's special tokens: its text in the tokenizer, and its id in the family's
+    published tokenizer (used when the adapter is built without a tokenizer)."""
+
+    text: str
+    published_id: int
+
+
 class Family(ABC):
     """One model family's image layout, processor call and model inputs.
 
-    Subclasses (one module per family) set the class attributes and implement the abstract
-    methods; :func:`mmstore.register_family` makes a third-party one known to ``adapter_for``.
+    A new family (one module, or a third party's class given to
+    :func:`mmstore.register_family`) sets the class attributes ``name``,
+    ``parameter_names``, ``token_table`` (at least ``image_token_id`` and ``pad_token_id``)
+    and ``image_inputs``, and implements:
+
+    - :meth:`read_parameters`: the layout parameters of a live processor;
+    - :meth:`expansion`, :meth:`placeholder`, :attr:`dummy_size`: layout math;
+    - :meth:`output_tokens`: how many span tokens a processor output fills.
+
+    It may override what its family does differently: the class attributes
+    ``token_type_input``, ``position_rows`` and ``vllm_modality``; token ids
+    (:meth:`read_token_ids`, :meth:`from_processor`, :attr:`feature_token_id`,
+    :attr:`special_token_ids`); layout math with a faster or finer form (:meth:`num_tokens`,
+    :meth:`integer_tensors`, :meth:`pixel_shape`); the processor call and its checks
+    (:meth:`processor_kwargs`, :meth:`select_outputs`, :meth:`check_output`); position ids
+    (:meth:`position_ids`) and vLLM's item (:meth:`vllm_item`).
+
+    The rest is the adapter's public face and is not overridden: :attr:`family`,
+    :attr:`fingerprint`, :attr:`image_token_id`, :meth:`expand`, :meth:`process`.
+
+    Layout math reads ``self.layout`` only, never the processor: a family built from a layout
+    alone (a footer) answers it, and expansions are cached per layout (:func:`expansion_array`).
     """
 
     #: the family's name, as rows record it in ``ImageRef.family``
     name: ClassVar[str]
     #: processor attributes that decide the layout (the fingerprint hashes exactly these)
     parameter_names: ClassVar[tuple[str, ...]]
-    #: the family's published tokenizer ids; ``image_token_id`` is the one token a chat
-    #: template emits per image, ``pad_token_id`` pads batches
-    published_token_ids: ClassVar[Mapping[str, int]]
-    #: token strings, to read the same ids from a live tokenizer (same keys)
-    token_strings: ClassVar[Mapping[str, str]]
+    #: the family's special tokens, by the layout's name for their id: ``image_token_id`` is
+    #: the one token a chat template emits per image, ``pad_token_id`` pads batches
+    token_table: ClassVar[Mapping[str, Token]]
     #: the image tensors the family's model takes, and how each is batched
     image_inputs: ClassVar[Mapping[str, Collation]]
     #: name of the per-token type tensor the model takes (1 on image features), if any
@@ -123,11 +160,11 @@ class Family(ABC):
         """Bind to a live image processor, or a full processor (image processor + tokenizer).
 
         Token ids come from the full processor's tokenizer when there is one, else from the
-        family's published tokenizer (:attr:`published_token_ids`).
+        family's published tokenizer (:attr:`token_table`).
         """
         image_processor = getattr(processor, "image_processor", processor)
         tokenizer = getattr(processor, "tokenizer", None)
-        token_ids = dict(cls.published_token_ids)
+        token_ids = published_token_ids(cls)
         if tokenizer is not None:
             token_ids.update(cls.read_token_ids(tokenizer))
         if image_token_id is None and processor is not image_processor:
@@ -151,8 +188,8 @@ class Family(ABC):
         """This family's token ids in ``tokenizer`` (those it has; published ids fill the rest)."""
         ids: dict[str, int] = {}
         unk = getattr(tokenizer, "unk_token_id", None)
-        for key, text in cls.token_strings.items():
-            token_id = tokenizer.convert_tokens_to_ids(text)
+        for key, token in cls.token_table.items():
+            token_id = tokenizer.convert_tokens_to_ids(token.text)
             if isinstance(token_id, int) and token_id != unk:
                 ids[key] = token_id
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -180,10 +217,6 @@ class Family(ABC):
         return self.layout.image_token_id
 
     @property
-    def pad_token_id(self) -> int:
-        return self.layout.token_id("pad_token_id")
-
-    @property
     def feature_token_id(self) -> int:
         """The token whose positions receive the image's features (its token type is 1)."""
         return self.image_token_id
@@ -201,10 +234,6 @@ class Family(ABC):
 
     def num_tokens(self, width: int, height: int) -> int:
         return len(self.expansion(width, height))
-
-    def expansion_array(self, width: int, height: int) -> np.ndarray:
-        """:meth:`expansion` as a read-only int64 array, cached (checked on every read)."""
-        return _cached_expansion(self, width, height)
 
     @abstractmethod
     def placeholder(self, width: int, height: int) -> dict[str, np.ndarray]:
@@ -227,16 +256,10 @@ class Family(ABC):
 
     # -- the processor ----------------------------------------------------------------
 
-    @property
-    def takes_tensors(self) -> bool:
-        """Whether the processor is a torchvision backend: it takes decoded uint8 tensors
-        (channels first) as they come from torchvision's decoder, with no PIL round trip."""
-        return getattr(self.image_processor, "backend", None) == "torchvision"
-
     def process(self, images: Sequence[Any], dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Run the real image processor on ``images``: the model's image tensors, numpy; with
         ``dtype``, torch tensors whose floats are in ``dtype`` (integers kept as they are)."""
-        out = self.select_outputs(self.run_processor(images, cast_to=dtype))
+        out = self.select_outputs(run_processor(self, images, cast_to=dtype))
         if dtype is None:
             return {key: np.asarray(value) for key, value in out.items()}
         from mmstore._tensors import cast_floats  # torch: only when a dtype asks for tensors
@@ -248,37 +271,14 @@ class Family(ABC):
         families fix integer dtypes here, or refuse an output they cannot lay out."""
         return {key: out[key] for key in self.image_inputs}
 
-    def run_processor(
-        self, images: Sequence[Any], *, cast_to: torch.dtype | None = None, **overrides: Any
-    ) -> Mapping[str, Any]:
-        """The processor's whole output for ``images`` (PIL images or uint8 CHW tensors).
-
-        ``overrides`` replace call arguments of :meth:`processor_kwargs` (the device stage
-        passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
-        ``cast_to``: a torchvision backend casts its floats to this dtype as soon as it has
-        normalized them (:func:`_casting_after_normalize`); other backends ignore it.
-        """
-        if self.image_processor is None:
-            raise UnsupportedProcessorError(f"{self!r} has no image processor to run")
-        kwargs = {**self.processor_kwargs(), **overrides}
-        if images and all(type(im).__module__.startswith("torch") for im in images):
-            # Our tensors are channels first; transformers would guess, and a 3- or
-            # 4-pixel-wide image looks like channels last to it.
-            kwargs["input_data_format"] = "channels_first"
-        processor = self.image_processor
-        if cast_to is not None and self.takes_tensors:
-            processor = _casting_after_normalize(processor, cast_to)
-        return processor(images=list(images), **kwargs)
-
     def processor_kwargs(self) -> dict[str, Any]:
-        return {"return_tensors": self.tensor_type}
+        """The processor's call arguments besides the images.
 
-    @property
-    def tensor_type(self) -> str:
-        """What the processor returns: a torchvision backend's own torch tensors (asked for
-        numpy, it copies its float32 output: about 2 ms of a 1080p image's 26 here), a PIL
-        backend's own numpy arrays. :meth:`process` views either as numpy, uncopied."""
-        return "pt" if self.takes_tensors else "np"
+        ``return_tensors``: a torchvision backend's own torch tensors (asked for numpy, it
+        copies its float32 output: about 2 ms of a 1080p image's 26 here), a PIL backend's own
+        numpy arrays. :meth:`process` views either as numpy, uncopied.
+        """
+        return {"return_tensors": "pt" if takes_tensors(self.image_processor) else "np"}
 
     @abstractmethod
     def output_tokens(self, outputs: Mapping[str, Any]) -> int:
@@ -297,19 +297,7 @@ class Family(ABC):
                 uri=ref.uri,
             )
 
-    # -- batches ----------------------------------------------------------------------
-
-    @property
-    def model_input_names(self) -> tuple[str, ...]:
-        """The padded batch's keys that the family's transformers model takes."""
-        extra = (self.token_type_input,) if self.token_type_input else ()
-        return ("input_ids", "attention_mask", *self.image_inputs, *extra)
-
-    def token_types(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token type tensors the model needs, from the ids alone (1 on image features)."""
-        if self.token_type_input is None:
-            return {}
-        return {self.token_type_input: (input_ids == self.feature_token_id).to(torch_int32())}
+    # -- the model's inputs -----------------------------------------------------------
 
     def position_ids(
         self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
@@ -366,6 +354,56 @@ class Family(ABC):
         return out, refs
 
 
+def published_token_ids(family: type[Family]) -> dict[str, int]:
+    """The ids of ``family``'s special tokens in its published tokenizer, by name."""
+    return {key: token.published_id for key, token in family.token_table.items()}
+
+
+def expansion_array(family: Family, width: int, height: int) -> np.ndarray:
+    """``family.expansion(width, height)`` as a read-only int64 array (checked on every read).
+
+    Cached per layout, not per adapter: every adapter of one layout shares the entries, and
+    the cache keeps no adapter (and so no processor) alive.
+    """
+    return _cached_expansion(type(family), family.layout, width, height)
+
+
+@lru_cache(maxsize=4096)
+def _cached_expansion(cls: type[Family], layout: Layout, width: int, height: int) -> np.ndarray:
+    array = np.asarray(cls(layout).expansion(width, height), dtype=np.int64)
+    array.flags.writeable = False
+    return array
+
+
+def takes_tensors(image_processor: Any) -> bool:
+    """Whether ``image_processor`` is a torchvision backend: it takes decoded uint8 tensors
+    (channels first) as they come from torchvision's decoder, with no PIL round trip."""
+    return getattr(image_processor, "backend", None) == "torchvision"
+
+
+def run_processor(
+    family: Family, images: Sequence[Any], *, cast_to: torch.dtype | None = None, **overrides: Any
+) -> Mapping[str, Any]:
+    """``family``'s processor's whole output for ``images`` (PIL images or uint8 CHW tensors).
+
+    ``overrides`` replace call arguments of :meth:`Family.processor_kwargs` (the device stage
+    passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
+    ``cast_to``: a torchvision backend casts its floats to this dtype as soon as it has
+    normalized them (:func:`_casting_after_normalize`); other backends ignore it.
+    """
+    processor = family.image_processor
+    if processor is None:
+        raise UnsupportedProcessorError(f"{family!r} has no image processor to run")
+    kwargs = {**family.processor_kwargs(), **overrides}
+    if images and all(type(im).__module__.startswith("torch") for im in images):
+        # Our tensors are channels first; transformers would guess, and a 3- or
+        # 4-pixel-wide image looks like channels last to it.
+        kwargs["input_data_format"] = "channels_first"
+    if cast_to is not None and takes_tensors(processor):
+        processor = _casting_after_normalize(processor, cast_to)
+    return processor(images=list(images), **kwargs)
+
+
 def _casting_after_normalize(image_processor: Any, dtype: torch.dtype) -> Any:
     """A shallow copy of a torchvision ``image_processor`` that casts its floats to ``dtype``
     right after ``rescale_and_normalize``.
@@ -386,19 +424,6 @@ def _casting_after_normalize(image_processor: Any, dtype: torch.dtype) -> Any:
 
     processor.rescale_and_normalize = rescale_and_normalize
     return processor
-
-
-@lru_cache(maxsize=4096)
-def _cached_expansion(family: Family, width: int, height: int) -> np.ndarray:
-    array = np.asarray(family.expansion(width, height), dtype=np.int64)
-    array.flags.writeable = False
-    return array
-
-
-def torch_int32() -> Any:
-    import torch
-
-    return torch.int32
 
 
 def size_value(size: Any, *keys: str) -> int:

@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from mmstore._exceptions import InvalidArgumentError, UnsupportedProcessorError
-from mmstore._families._base import Family, Layout
+from mmstore._families._base import Family, Layout, published_token_ids
 
 _TF = "transformers.models."
 
@@ -128,7 +128,7 @@ def register_layout(layout: Layout) -> None:
     # The fingerprint leaves token ids out, so two adapters of one layout may differ in them;
     # the registry keeps the family's published ids, never whichever adapter came last. Rows
     # of a custom tokenizer are checked against their own adapter (``writer(adapter=...)``).
-    published = family_class(layout.family).published_token_ids
+    published = published_token_ids(family_class(layout.family))
     _LAYOUTS[layout.fingerprint] = Layout.make(
         layout.family, dict(layout.parameters), {**dict(layout.token_ids), **published}
     )
@@ -164,7 +164,7 @@ def layout_from_record(record: dict[str, Any]) -> Layout:
     missing = set(cls.parameter_names) - params.keys()
     if missing:
         raise InvalidArgumentError(f"layout record misses {sorted(missing)}: {record!r}")
-    token_ids = {**cls.published_token_ids}
+    token_ids = published_token_ids(cls)
     for key, value in record.items():
         if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool):
             token_ids[key] = value

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
-from mmstore._families._base import Collation, Family, size_value
+from mmstore._families._base import Collation, Family, Token, size_value
 
 if TYPE_CHECKING:
     from mmstore._format.models import ImageRef
@@ -62,19 +62,12 @@ class Gemma3(Family):
     # `<image_soft_token>` 262144 its image_token_index (also transformers' Gemma3Config
     # defaults); "\n\n" is 108 and `<pad>` 0 in tokenizer.json (google-deepmind/gemma's
     # gm/vision/_token_utils_test.py expands an image to [108, 255999, soft..., 256000, 108]).
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": 255_999,
-        "end_of_image_token_id": 256_000,
-        "image_soft_token_id": 262_144,
-        "double_newline_token_id": 108,
-        "pad_token_id": 0,
-    }
-    token_strings: ClassVar[Mapping[str, str]] = {
-        "image_token_id": "<start_of_image>",
-        "end_of_image_token_id": "<end_of_image>",
-        "image_soft_token_id": "<image_soft_token>",
-        "double_newline_token_id": "\n\n",
-        "pad_token_id": "<pad>",
+    token_table: ClassVar[Mapping[str, Token]] = {
+        "image_token_id": Token("<start_of_image>", 255_999),
+        "end_of_image_token_id": Token("<end_of_image>", 256_000),
+        "image_soft_token_id": Token("<image_soft_token>", 262_144),
+        "double_newline_token_id": Token("\n\n", 108),
+        "pad_token_id": Token("<pad>", 0),
     }
     image_inputs: ClassVar[Mapping[str, Collation]] = {"pixel_values": "cat"}
     token_type_input = "token_type_ids"

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mmstore._exceptions import InvalidRolloutError
+from mmstore._families._base import Token
 from mmstore._families._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
@@ -41,17 +42,11 @@ class Glm4v(SmartResizeFamily):
     # image_token_id (transformers' Glm4vConfig default); `<|begin_of_image|>` 151339 and
     # `<|end_of_image|>` 151340 are its image_start/end_token_id; `<|endoftext|>` 151329 is the
     # tokenizer's pad token (the first of the GLM-4 tokenizer's added special tokens).
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": 151343,
-        "image_start_token_id": 151339,
-        "image_end_token_id": 151340,
-        "pad_token_id": 151329,
-    }
-    token_strings: ClassVar[Mapping[str, str]] = {
-        "image_token_id": "<|image|>",
-        "image_start_token_id": "<|begin_of_image|>",
-        "image_end_token_id": "<|end_of_image|>",
-        "pad_token_id": "<|endoftext|>",
+    token_table: ClassVar[Mapping[str, Token]] = {
+        "image_token_id": Token("<|image|>", 151343),
+        "image_start_token_id": Token("<|begin_of_image|>", 151339),
+        "image_end_token_id": Token("<|end_of_image|>", 151340),
+        "pad_token_id": Token("<|endoftext|>", 151329),
     }
     # The processor's resize reads exactly these two keys (and refuses a size without them).
     size_keys: ClassVar[Mapping[str, tuple[str, ...]]] = {
@@ -85,7 +80,7 @@ class Glm4v(SmartResizeFamily):
         from transformers.models.glm4v.modeling_glm4v import Glm4vModel
 
         ids = input_ids.reshape(1, -1)
-        types_ = self.token_types(ids)[self.token_type_input]
+        types_ = (ids == self.feature_token_id).to(torch.int32)
         grids = [image["image_grid_thw"].reshape(-1, 3) for image in images]
         # get_rope_index binds the i-th run of image tokens to the i-th grid: two spans with no
         # text between them (the template's end/begin-of-image tokens) would merge into one.

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from mmstore._exceptions import UnsupportedProcessorError
-from mmstore._families._base import size_value
+from mmstore._families._base import Token, size_value
 from mmstore._families._grid import GridFamily
 
 
@@ -33,13 +33,9 @@ class KimiK25(GridFamily):
     # `[PAD]`, also transformers' KimiLinearConfig default for the same tokenizer). The
     # chat template's `<|media_begin|>` (163602) and `<|media_end|>` (163604) are the
     # config's vision_start/end_token_id; they lie outside spans, so mmstore needs neither.
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": 163605,
-        "pad_token_id": 163839,
-    }
-    token_strings: ClassVar[Mapping[str, str]] = {
-        "image_token_id": "<|media_pad|>",
-        "pad_token_id": "[PAD]",
+    token_table: ClassVar[Mapping[str, Token]] = {
+        "image_token_id": Token("<|media_pad|>", 163605),
+        "pad_token_id": Token("[PAD]", 163839),
     }
     # vLLM's Kimi-K2.5 (config `use_unified_vision_chunk`) takes images and video chunks as
     # one "vision_chunk" modality, each image a `VisionChunkImage` dict; its prompt update

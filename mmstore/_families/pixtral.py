@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
-from mmstore._families._base import Collation, Family, Layout, size_value
+from mmstore._families._base import Collation, Family, Layout, Token, size_value
 
 if TYPE_CHECKING:
     from mmstore._format.models import ImageRef
@@ -45,17 +45,11 @@ class Pixtral(Family):
     # (mistral_common `Tekkenizer` special tokens: 10 [IMG], 11 <pad>, 12 [IMG_BREAK],
     # 13 [IMG_END]); the same ids as the models' config.json `image_token_index` (10) and
     # params.json "vision_encoder" `image_break_token_id` / `image_end_token_id` (12, 13).
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": 10,
-        "image_break_token_id": 12,
-        "image_end_token_id": 13,
-        "pad_token_id": 11,
-    }
-    token_strings: ClassVar[Mapping[str, str]] = {
-        "image_token_id": "[IMG]",
-        "image_break_token_id": "[IMG_BREAK]",
-        "image_end_token_id": "[IMG_END]",
-        "pad_token_id": "<pad>",
+    token_table: ClassVar[Mapping[str, Token]] = {
+        "image_token_id": Token("[IMG]", 10),
+        "image_break_token_id": Token("[IMG_BREAK]", 12),
+        "image_end_token_id": Token("[IMG_END]", 13),
+        "pad_token_id": Token("<pad>", 11),
     }
     image_inputs: ClassVar[Mapping[str, Collation]] = {
         "pixel_values": "pad",
@@ -189,7 +183,7 @@ class Pixtral(Family):
 
     def processor_kwargs(self) -> dict[str, Any]:
         # What PixtralProcessor._process_images passes: resize to multiples of patch * merge.
-        return {"return_tensors": self.tensor_type, "patch_size": self.token_side}
+        return {**super().processor_kwargs(), "patch_size": self.token_side}
 
     def select_outputs(self, out: Mapping[str, Any]) -> dict[str, Any]:
         selected = super().select_outputs(out)

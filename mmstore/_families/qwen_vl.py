@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mmstore._families._base import Token
 from mmstore._families._grid import SmartResizeFamily, weightless_rope_index
 
 if TYPE_CHECKING:
@@ -22,13 +23,9 @@ class QwenVL(SmartResizeFamily):
     name = "qwen-vl"
     title = "Qwen-VL"
     # Qwen2-VL / 2.5-VL / 3-VL tokenizers: `<|image_pad|>` and `<|endoftext|>` (the pad token).
-    published_token_ids: ClassVar[Mapping[str, int]] = {
-        "image_token_id": 151655,
-        "pad_token_id": 151643,
-    }
-    token_strings: ClassVar[Mapping[str, str]] = {
-        "image_token_id": "<|image_pad|>",
-        "pad_token_id": "<|endoftext|>",
+    token_table: ClassVar[Mapping[str, Token]] = {
+        "image_token_id": Token("<|image_pad|>", 151655),
+        "pad_token_id": Token("<|endoftext|>", 151643),
     }
     # Either key of each bound: the processor's resize accepts both spellings.
     size_keys: ClassVar[Mapping[str, tuple[str, ...]]] = {
@@ -61,7 +58,7 @@ class QwenVL(SmartResizeFamily):
         import torch
 
         ids = input_ids.reshape(1, -1).to(torch.int64)
-        types = self.token_types(ids)[self.token_type_input or ""]
+        types = (ids == self.feature_token_id).to(torch.int32)
         grids = [image["image_grid_thw"].reshape(-1, 3) for image in images]
         grid = torch.cat(grids).to(torch.int64) if grids else None
         if grid is None:  # text only: get_rope_index expects vision; plain 1-D positions

@@ -35,10 +35,10 @@ from mmstore._format.schema import check_schema_version
 from mmstore._progress import bar
 from mmstore._rows.files import (
     flatten_refs,
-    location,
     open_rollout_file,
     read_ref_columns,
     select_files,
+    where_of_file,
 )
 from mmstore._rows.store import Store
 from mmstore._rows.writer import parquet_options
@@ -91,7 +91,7 @@ def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]
         *(firsts.column(c).to_pylist() for c in firsts.column_names), strict=True
     ):
         media.setdefault(
-            (uri, digest), {**location(path), "sample_id": sample_id, "image_index": index}
+            (uri, digest), {**where_of_file(path), "sample_id": sample_id, "image_index": index}
         )
 
 
@@ -119,7 +119,7 @@ def _copy_media(
             fmt, _, _ = probe(data, max_pixels=store.max_image_pixels, where=uri)
             rel = media_path(digest, FORMAT_EXTENSIONS[fmt][0])
     except MmstoreError as exc:  # name the row that needs these bytes
-        raise type(exc)(exc.message, **{**where, **exc.context}) from None
+        raise exc.with_context(**where) from None
     target.backend.write_atomic(rel, data, replace=False)
     target.read_media(rel, digest)
     return key, rel

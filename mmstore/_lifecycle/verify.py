@@ -40,11 +40,11 @@ from mmstore._rows.files import (
     check_value_counts,
     conform,
     flatten_refs,
-    location,
     media_hash,
     open_rollout_file,
     read_ref_columns,
     reading,
+    where_of_file,
 )
 from mmstore._storage.store import MEDIA, PINS
 
@@ -124,7 +124,7 @@ def _verify_file(
     pool: ThreadPoolExecutor,
     seen_samples: dict[str, set[str]],
 ) -> tuple[list[Problem], int]:
-    where = location(path)
+    where = where_of_file(path)
     try:
         parquet = open_rollout_file(store, path)
         check_schema_version(parquet.metadata.metadata, where=path)

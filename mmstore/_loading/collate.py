@@ -1,4 +1,8 @@
-"""Samples -> one right-padded batch, in the tensors the sample's model family takes."""
+"""Samples -> one right-padded batch, in the tensors the sample's model family takes.
+
+Also what every family's batch shares, whatever the family: the keys its model takes
+(:func:`model_input_names`) and its per-token types (:func:`token_types`).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,32 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mmstore._families import expansion_array
 from mmstore._loading.device import collate_images
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY
-from mmstore._loading.materialize import Sample
+from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
 
 if TYPE_CHECKING:
     from mmstore._families import Family
 
 
+def model_input_names(family: Family) -> tuple[str, ...]:
+    """The padded batch's keys that the family's transformers model takes."""
+    extra = (family.token_type_input,) if family.token_type_input else ()
+    return ("input_ids", "attention_mask", *family.image_inputs, *extra)
+
+
+def token_types(family: Family, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token type tensors the family's model takes, from the ids alone (1 on the tokens
+    that receive image features); none for a family without them."""
+    if family.token_type_input is None:
+        return {}
+    return {family.token_type_input: (input_ids == family.feature_token_id).to(torch.int32)}
+
+
 def collate(
-    samples: Sequence[Sample],
+    samples: Sequence[Materialized],
     family: Family,
     *,
     pad_token_id: int | None = None,
@@ -32,7 +51,7 @@ def collate(
     every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`._distinct`.
     """
     samples = list(samples)
-    pad = family.pad_token_id if pad_token_id is None else pad_token_id
+    pad = family.layout.pad_token_id if pad_token_id is None else pad_token_id
     extra = dummy(family, dtype) if dummy_image and not any(s.images for s in samples) else None
     lengths = [len(s.input_ids) for s in samples]
     if extra is not None and samples:
@@ -62,7 +81,7 @@ def collate(
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
-        **family.token_types(input_ids),
+        **token_types(family, input_ids),
         **(
             collate_images(family, images, distinct_images=distinct_images)
             if images
@@ -83,7 +102,7 @@ def collate(
 def dummy(family: Family, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The family's smallest image as zeros: its expansion and its tensors (train dtype)."""
     width, height = family.dummy_size
-    tokens = torch.tensor(family.expansion_array(width, height), dtype=torch.int64)
+    tokens = torch.tensor(expansion_array(family, width, height), dtype=torch.int64)
     return tokens, cast_floats(family.placeholder(width, height), dtype)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -20,11 +19,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmstore._exceptions import InvalidArgumentError, LayoutMismatchError
-from mmstore._families import adapter_for
+from mmstore._families import Family, adapter_for, takes_tensors
 from mmstore._format.media import warm_decoder
 from mmstore._loading.buffers import BatchBuffers
-from mmstore._loading.collate import collate
-from mmstore._loading.device import DeferredMaterializer, DevicePreprocessor, check_device
+from mmstore._loading.collate import collate, model_input_names
+from mmstore._loading.device import DevicePreprocessor, check_device
 from mmstore._loading.materialize import (
     DEFAULT_CACHE_BYTES,
     Materializer,
@@ -33,27 +32,24 @@ from mmstore._loading.materialize import (
     check_missing_policy,
 )
 from mmstore._loading.microbatch import packed_input_names
-from mmstore._loading.node_cache import DEFAULT_NODE_CACHE_BYTES, NodeCache, default_directory
+from mmstore._loading.node_cache import DEFAULT_NODE_CACHE_BYTES, default_directory
+from mmstore._loading.options import flag, optional_whole, seconds, whole
 from mmstore._loading.packed import PackedPlanner, PackedStream
-from mmstore._loading.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, prefetcher_for
+from mmstore._loading.prefetch import DEFAULT_PREFETCH_BYTES, default_requests
+from mmstore._loading.spec import MaterializerSource, ReadSpec
 from mmstore._loading.workers import (
     WorkerStream,
+    check_context,
     check_worker_threads,
     init_worker,
     reraise,
     start_method,
 )
-from mmstore._planning.order import (
-    DEFAULT_WINDOW_UNITS,
-    EpochPlan,
-    block_permutation,
-    worker_batches,
-)
+from mmstore._planning.order import DEFAULT_WINDOW_UNITS, EpochPlan, worker_batches
 from mmstore._rows.files import partition_of
 from mmstore._rows.snapshot import (
     Snapshot,
     fingerprints_by_file,
-    read_units,
     recorded_layouts,
     take_snapshot,
 )
@@ -62,196 +58,188 @@ from mmstore._rows.store import Store
 STATE_VERSION = 1
 
 
+class _Part:
+    """A read-only dataset attribute that lives on one of its parts (``spec``, ``source``)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:  # looked up on the class (help(), autodoc)
+            return self
+        return getattr(getattr(dataset, self.part), self.name)
+
+
 class RolloutDataset(IterableDataset[Sample]):
     """The committed rollouts of a store (a snapshot taken now), read for one rank.
 
-    Building it checks every layout fingerprint in the snapshot against ``image_processor``
-    and raises :class:`LayoutMismatchError` before any batch. Iterating it directly yields
-    unbatched samples; use :class:`RolloutLoader` for batches, workers and resume.
+    Building it checks every argument and every layout fingerprint in the snapshot against
+    ``image_processor``, and raises :class:`InvalidArgumentError` or
+    :class:`LayoutMismatchError` before any batch. Iterating it directly yields unbatched
+    samples; use :class:`RolloutLoader` for batches, workers and resume. Every argument
+    after the processor is keyword-only.
+
+    Args:
+        store: the :class:`Store` to read.
+        image_processor: the image processor the model trains with, or a full transformers
+            processor (image processor + tokenizer); its layout must be the stored one.
+
+    What to read:
+        runs: a run id or run ids; ``None``: every run. A run the store does not hold
+            raises :class:`NoMatchError`.
+        steps: a step, a ``range`` or steps; ``None``: every step.
+
+    Order and sharding:
+        shuffle: shuffle row groups, then the rows within each window of them; ``False``
+            reads in file order.
+        seed: the shuffle's seed (an int; taken modulo 2**32).
+        rank, world_size: this process's shard of the row groups. Both ``None``: from
+            ``torch.distributed`` when it is initialized, else rank 0 of 1. ``world_size``
+            above 1 without ``rank`` is refused (every process would read shard 0).
+        window_units: row groups shuffled together (>= 1): a bigger window mixes more and
+            holds more rows in memory.
+
+    Materialization:
+        dtype: the train dtype floats are cast to (``torch.bfloat16``, or a name such as
+            ``"bf16"``).
+        missing: ``"error"`` (a missing image raises :class:`MediaNotFoundError`) or
+            ``"placeholder_zero_loss"`` (a zero image, the sample kept out of the loss).
+        max_len: truncate samples to this many tokens (>= 1), whole images kept.
+
+    Caches:
+        cache_bytes: each process's cache of processed images, in bytes (0: none).
+        node_cache_bytes: the node-wide cache's bound, shared by every worker and rank of
+            the machine (:mod:`._node_cache`). ``None``: 2 GiB where a directory is usable,
+            else off; ``0`` turns it off (``node_cache_dir`` then unused).
+        node_cache_dir: where the node cache lives; ``None``: ``$MMSTORE_NODE_CACHE``, else
+            a per-user folder on ``/dev/shm``. A positive ``node_cache_bytes`` with neither
+            usable is refused.
+
+    Read-ahead (object stores, :mod:`._prefetch`):
+        prefetch_requests: media reads in flight per worker. ``None``: 16 on a remote
+            store, none on a local one; ``0`` turns read-ahead off (``prefetch_bytes`` then
+            unused).
+        prefetch_bytes: no new read starts while this many bytes wait (>= 1); ``None``:
+            64 MiB. Given where read-ahead is off by default (a local store, without
+            ``prefetch_requests``), it is refused: it would bound nothing.
     """
+
+    # What to read, in which order, cut and cast to what (the spec both streams take).
+    store = _Part("spec")
+    snapshot = _Part("spec")
+    adapter = _Part("spec")
+    seed = _Part("spec")
+    shuffle = _Part("spec")
+    rank = _Part("spec")
+    world_size = _Part("spec")
+    window_units = _Part("spec")
+    max_len = _Part("spec")
+    dtype = _Part("spec")
+    # How this process materializes it (the source of its materializer).
+    missing = _Part("source")
+    cache_bytes = _Part("source")
+    node_cache_dir = _Part("source")
+    node_cache_bytes = _Part("source")
+    prefetch_requests = _Part("source")
+    prefetch_bytes = _Part("source")
 
     def __init__(
         self,
         store: Store,
         image_processor: Any,
-        dtype: torch.dtype | str = torch.bfloat16,
-        missing: MissingPolicy = "error",
+        *,
+        # what to read
         runs: Iterable[str] | None = None,
         steps: Iterable[int] | None = None,
+        # order and sharding
         shuffle: bool = True,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        window_units: int = DEFAULT_WINDOW_UNITS,
+        # materialization
+        dtype: torch.dtype | str = torch.bfloat16,
+        missing: MissingPolicy = "error",
         max_len: int | None = None,
-        *,
+        # caches
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         node_cache_bytes: int | None = None,
         node_cache_dir: str | None = None,
-        window_units: int = DEFAULT_WINDOW_UNITS,
+        # read-ahead
         prefetch_requests: int | None = None,
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        prefetch_bytes: int | None = None,
     ) -> None:
         check_missing_policy(missing)
+        shuffle = flag("shuffle", shuffle)
+        seed = whole("seed", seed)
+        rank, world_size = _rank_and_world(rank, world_size)
+        window_units = whole("window_units", window_units, minimum=1)
         dtype = training_dtype(dtype)
-        self.store = store
+        max_len = optional_whole("max_len", max_len, minimum=1)
+        cache_bytes = whole("cache_bytes", cache_bytes, minimum=0)
+        node_directory, node_bytes = _node_cache_place(node_cache_dir, node_cache_bytes)
+        # Asked for by argument (not merely the default): refused where it cannot apply.
+        self._node_cache_asked = node_bytes > 0 and (
+            node_cache_bytes is not None or node_cache_dir is not None
+        )
+        prefetch_requests = optional_whole("prefetch_requests", prefetch_requests, minimum=0)
+        prefetch_bytes = _read_ahead_bound(store, prefetch_requests, prefetch_bytes)
         self.image_processor = image_processor
-        self.adapter = adapter_for(image_processor)
-        self.dtype = dtype
-        self.missing = missing
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.max_len = max_len
-        self.cache_bytes = cache_bytes
-        self.node_cache_dir = node_cache_dir or default_directory()
-        if node_cache_bytes is None:
-            node_cache_bytes = DEFAULT_NODE_CACHE_BYTES if self.node_cache_dir else 0
-        if node_cache_bytes < 0:
-            raise ValueError(f"node_cache_bytes must be >= 0, got {node_cache_bytes}")
-        self.node_cache_bytes = node_cache_bytes
-        self.window_units = window_units
-        self.prefetch_requests = prefetch_requests
-        self.prefetch_bytes = prefetch_bytes
+        adapter = adapter_for(image_processor)
+        snapshot = take_snapshot(store, runs, steps)
+        _check_layouts(store, adapter, snapshot)
+        self.spec = ReadSpec(
+            store=store,
+            snapshot=snapshot,
+            adapter=adapter,
+            seed=seed,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world_size,
+            window_units=window_units,
+            max_len=max_len,
+            dtype=dtype,
+        )
+        self.source = MaterializerSource(
+            store,
+            adapter,
+            dtype=dtype,
+            missing=missing,
+            max_len=max_len,
+            cache_bytes=cache_bytes,
+            node_cache_dir=node_directory,
+            node_cache_bytes=node_bytes,
+            prefetch_requests=prefetch_requests,
+            prefetch_bytes=prefetch_bytes,
+        )
         self.epoch = 0
         self.position = 0
-        self.snapshot = take_snapshot(store, runs, steps)
-        self._check_layouts(self.snapshot)
-        self._materializer: Materializer | None = None
-        self._deferred: Materializer | None = None
-        self._prefetcher: Prefetcher | None = None
-
-    def _check_layouts(self, snapshot: Snapshot) -> None:
-        found = fingerprints_by_file(self.store, snapshot)
-        wrong = {fp: files for fp, files in found.items() if fp != self.adapter.fingerprint}
-        if wrong:
-            runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
-            stored = recorded_layouts(self.store, snapshot.files)
-            mine = self.adapter.layout.params()
-            listing = "; ".join(
-                f"runs {sorted(runs[fp])}: {_layout_diff(stored.get(fp), mine)}"
-                for fp in sorted(wrong, key=str)
-            )
-            raise LayoutMismatchError(
-                f"the processor lays images out differently from how they were stored "
-                f"(stored vs processor) in {listing}. Build the image processor with the stored "
-                "parameters, or select other runs (runs=...)",
-                runs=sorted({r for rs in runs.values() for r in rs}),
-                files=sorted({f for files in wrong.values() for f in files}),
-            )
 
     def use_snapshot(self, files: list[str]) -> None:
         """Read exactly these committed files (a resumed run's snapshot)."""
         if list(self.snapshot.files) != list(files):
             snapshot = take_snapshot(self.store, files=files)
-            self._check_layouts(snapshot)
-            self.snapshot = snapshot
+            _check_layouts(self.store, self.adapter, snapshot)
+            self.spec = self.spec.with_snapshot(snapshot)
 
     def plan(self, epoch: int | None = None, rank: int | None = None) -> EpochPlan:
         """This rank's (or ``rank``'s) epoch, from metadata only."""
-        return EpochPlan.build(
-            self.snapshot,
-            seed=self.seed,
-            epoch=self.epoch if epoch is None else epoch,
-            shuffle=self.shuffle,
-            rank=self.rank if rank is None else rank,
-            world_size=self.world_size,
-            window_units=self.window_units,
-        )
+        return self.spec.plan(self.epoch if epoch is None else epoch, rank)
 
     def __len__(self) -> int:
         """Samples this rank reads per epoch."""
         return self.plan().num_samples
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Workers build their own materializer and cache; never ship the parent's to them.
-        state = self.__dict__.copy()
-        state["_materializer"] = None
-        state["_deferred"] = None
-        state["_prefetcher"] = None  # a thread pool: each worker builds its own
-        return state
+    def materializer(self) -> Materializer:
+        """This process's materializer (built on first use; each worker builds its own)."""
+        return self.source.get()
 
-    def materializer(self, deferred: bool = False) -> Materializer:
-        """This process's materializer; ``deferred``: the one that stops before the image
-        processor (preprocessing on a device, see :mod:`._device`)."""
-        # Built lazily, once per worker process: the cache lives as long as the worker.
-        if self._materializer is None:
-            self._materializer = Materializer(
-                self.store,
-                self.adapter,
-                dtype=self.dtype,
-                missing=self.missing,
-                max_len=self.max_len,
-                cache_bytes=self.cache_bytes,
-                node_cache=self._node_cache(),
-            )
-            self._prefetcher = prefetcher_for(
-                self.store, self.prefetch_requests, self.prefetch_bytes
-            )
-            if self._prefetcher is not None:
-                self._materializer.media = self._prefetcher
-        if deferred:
-            if self._deferred is None:
-                self._deferred = DeferredMaterializer.beside(self._materializer)
-            return self._deferred
-        return self._materializer
-
-    def _node_cache(self) -> NodeCache | None:
-        if not self.node_cache_bytes or not self.node_cache_dir:
-            return None
-        return NodeCache(self.node_cache_dir, self.node_cache_bytes)
-
-    def samples(
-        self, epoch: int, positions: Iterable[int], *, deferred: bool = False
-    ) -> Iterator[tuple[int, Sample]]:
-        """Materialize the samples at increasing ``positions`` of this rank's epoch
-        (``deferred``: images decoded only, for the device stage)."""
-        plan = self.plan(epoch)
-        wanted = list(positions)
-        i = 0
-        materializer = self.materializer(deferred)
-        while i < len(wanted):
-            window = plan.window_of(wanted[i])
-            lo, hi = plan.window_range(window)
-            j = i
-            while j < len(wanted) and wanted[j] < hi:
-                j += 1
-            table = read_units(self.store, plan.windows[window])
-            order = block_permutation(
-                table.column("group_id").to_pylist(),
-                seed=self.seed,
-                epoch=epoch,
-                rank=self.rank,
-                window=window,
-                shuffle=self.shuffle,
-            )
-            mine = order[[p - lo for p in wanted[i:j]]]
-            units = plan.windows[window]
-            materializer.note_window(
-                table, [u.num_rows for u in units], mine, [u.neighbours for u in units]
-            )
-            rows = table.take(mine)
-            self._read_ahead(rows, materializer)
-            try:
-                yield from zip(wanted[i:j], materializer.samples(rows), strict=True)
-            finally:
-                if self._prefetcher is not None:
-                    self._prefetcher.clear()
-            i = j
-
-    def _read_ahead(self, rows: Any, materializer: Materializer) -> None:
-        # Read these rows' media ahead (remote stores), but images already processed, in this
-        # worker's cache or the node cache: those are never read, and would hold the bound.
-        if self._prefetcher is None:
-            return
-        fp, node = self.adapter.fingerprint, materializer.node_cache
-
-        def processed(h: str) -> bool:
-            if (h, fp) in materializer.cache:
-                return True
-            key = node.key(h, fp, *materializer._node_key) if node else ""
-            return node is not None and os.path.exists(os.path.join(node.directory, key))
-
-        self._prefetcher.feed_rows(rows, skip=processed)
+    def samples(self, epoch: int, positions: Iterable[int]) -> Iterator[tuple[int, Sample]]:
+        """Materialize the samples at increasing ``positions`` of this rank's epoch."""
+        return self.source.samples(self.spec, epoch, positions)
 
     def __iter__(self) -> Iterator[Sample]:
         """Unbatched samples from ``self.position`` on (sharded by position across workers).
@@ -275,12 +263,63 @@ class RolloutDataset(IterableDataset[Sample]):
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
+    """Refuse a snapshot whose files were laid out for another processor, naming the runs."""
+    found = fingerprints_by_file(store, snapshot)
+    wrong = {fp: files for fp, files in found.items() if fp != adapter.fingerprint}
+    if not wrong:
+        return
+    runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
+    stored = recorded_layouts(store, snapshot.files)
+    mine = adapter.layout.params()
+    listing = "; ".join(
+        f"runs {sorted(runs[fp])}: {_layout_diff(stored.get(fp), mine)}"
+        for fp in sorted(wrong, key=str)
+    )
+    raise LayoutMismatchError(
+        f"the processor lays images out differently from how they were stored "
+        f"(stored vs processor) in {listing}. Build the image processor with the stored "
+        "parameters, or select other runs (runs=...)",
+        runs=sorted({r for rs in runs.values() for r in rs}),
+        files=sorted({f for files in wrong.values() for f in files}),
+    )
+
+
+def _node_cache_place(directory: str | None, capacity: Any) -> tuple[str | None, int]:
+    """Where the node cache lives and its bound in bytes (0: off)."""
+    capacity = optional_whole("node_cache_bytes", capacity, minimum=0)
+    where = directory or default_directory()
+    if capacity is None:
+        return where, DEFAULT_NODE_CACHE_BYTES if where else 0
+    if capacity and not where:
+        raise InvalidArgumentError(
+            f"node_cache_bytes={capacity} needs a directory: pass node_cache_dir (there is "
+            "no writable /dev/shm here and $MMSTORE_NODE_CACHE is unset)"
+        )
+    return where, capacity
+
+
+def _read_ahead_bound(store: Store, requests: int | None, bound: Any) -> int:
+    """The read-ahead's byte bound, refused where it would bound nothing."""
+    if bound is None:
+        return DEFAULT_PREFETCH_BYTES
+    bound = whole("prefetch_bytes", bound, minimum=1)
+    if requests is None and default_requests(store) == 0:
+        raise InvalidArgumentError(
+            f"prefetch_bytes={bound} bounds nothing: a local store reads without read-ahead; "
+            "pass prefetch_requests (reads in flight) to read ahead here, or drop "
+            "prefetch_bytes"
+        )
+    return bound
+
+
 class _BatchStream(IterableDataset[dict[str, Any]]):
     """Whole batches ``start, start+1, …`` of one epoch, split across DataLoader workers."""
 
     def __init__(
         self,
-        dataset: RolloutDataset,
+        spec: ReadSpec,
+        source: MaterializerSource,
         *,
         epoch: int,
         start: int,
@@ -289,12 +328,11 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         dummy_image: bool,
         pad_token_id: int | None,
         total: int | None = None,
-        deferred: bool = False,
         distinct_images: bool = False,
     ) -> None:
-        self.dataset = dataset
+        self.spec = spec
+        self.source = source
         self.total = total
-        self.deferred = deferred
         self.distinct_images = distinct_images
         self.epoch = epoch
         self.start = start
@@ -306,27 +344,28 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        plan = self.dataset.plan(self.epoch)
+        spec = self.spec
+        plan = spec.plan(self.epoch)
         total = self.total
         if total is None:
             total = plan.num_batches(self.batch_size, self.drop_last)
         mine = worker_batches(self.start, total, worker, workers)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
-        materializer = self.dataset.materializer(self.deferred)
+        materializer = self.source.get()
         cache, node = materializer.cache, materializer.node_cache
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
         node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
-        for position, sample in self.dataset.samples(self.epoch, positions, deferred=self.deferred):
+        for position, sample in self.source.samples(spec, self.epoch, positions):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
                 batch = collate(
                     pending,
-                    self.dataset.adapter,
+                    spec.adapter,
                     pad_token_id=self.pad_token_id,
                     dummy_image=self.dummy_image,
-                    dtype=self.dataset.dtype,
+                    dtype=spec.dtype,
                     distinct_images=self.distinct_images,
                 )
                 batch["batch_index"] = position // bs
@@ -412,69 +451,156 @@ class RolloutLoader:
     plain batch the model takes, best on the GPU after ``.to(device)``: workers then copy,
     and the trainer moves, each image once per batch, and the trainer may also run the
     vision tower once per distinct image and gather its features with ``image_index``.
+
+    Every argument after the dataset is keyword-only. Each one takes effect or is refused
+    with :class:`InvalidArgumentError` naming the conflict (an option that would be
+    silently ignored, such as ``prefetch_factor`` without workers, is refused).
+
+    Args:
+        dataset: the :class:`RolloutDataset` to read (what, in which order, materialized
+            how).
+
+    Batching:
+        batch_size: samples per batch (>= 1); packed: samples per rank per step.
+        drop_last: drop the epoch's last, short batch (padded batches only).
+        even_ranks: every rank stops after the fewest batches any rank has (padded batches
+            only: packed steps are already in lock-step, every rank the same ``num_micro``).
+        dummy_image: a batch without images gets one tiny zero image out of the loss, so
+            every FSDP rank runs the vision tower (padded batches only: the packing plan
+            gives such micro-batches their dummy image by itself).
+        pad_token_id: the token padding is filled with (>= 0); ``None``: the family's.
+        max_tokens: pack micro-batches of at most this many tokens instead of padding.
+        distinct_images: each distinct image once per batch, plus ``image_index``.
+
+    Workers (torch ``DataLoader``'s names and meanings):
+        num_workers: worker processes (>= 0); 0 builds batches in this process.
+        prefetch_factor: batches each worker builds ahead (>= 1; workers only).
+        pin_memory: pinned batches, for asynchronous copies to the GPU.
+        timeout: seconds to wait for a worker's batch (>= 0; 0 waits forever; workers
+            only).
+        multiprocessing_context: how workers start (``"fork"``, ``"spawn"``,
+            ``"forkserver"`` or a context; workers only).
+        worker_threads: torch threads per worker (>= 1; workers only); more than one needs
+            ``"spawn"`` or ``"forkserver"``.
+
+    Device stage:
+        preprocess_device: run the image processor on this device in the main process
+            (see above); the dataset's node cache must then be off or left to its default.
     """
 
     def __init__(
         self,
         dataset: RolloutDataset,
+        *,
         batch_size: int = 8,
         num_workers: int = 0,
-        *,
+        # batching
         drop_last: bool = False,
         even_ranks: bool = False,
         dummy_image: bool = False,
         pad_token_id: int | None = None,
+        max_tokens: int | None = None,
+        distinct_images: bool = False,
+        # workers (torch DataLoader's names)
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
-        multiprocessing_context: Any = None,
         timeout: float = 0,
+        multiprocessing_context: Any = None,
         worker_threads: int | None = None,
-        max_tokens: int | None = None,
+        # device stage
         preprocess_device: str | torch.device | None = None,
-        distinct_images: bool = False,
     ) -> None:
-        if batch_size <= 0:
-            raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
-        if max_tokens is not None and drop_last:
-            raise InvalidArgumentError("drop_last does not apply to packed micro-batches")
-        self.max_tokens = max_tokens
-        self.distinct_images = distinct_images
+        self.dataset = dataset
+        self.batch_size = whole("batch_size", batch_size, minimum=1)
+        self.drop_last = flag("drop_last", drop_last)
+        self.even_ranks = flag("even_ranks", even_ranks)
+        self.dummy_image = flag("dummy_image", dummy_image)
+        self.pad_token_id = optional_whole("pad_token_id", pad_token_id, minimum=0)
+        self.max_tokens = optional_whole("max_tokens", max_tokens, minimum=1)
+        self.distinct_images = flag("distinct_images", distinct_images)
+        self._refuse_padded_options_when_packed()
+        self.num_workers = whole("num_workers", num_workers, minimum=0)
+        self.prefetch_factor = optional_whole("prefetch_factor", prefetch_factor, minimum=1)
+        self.pin_memory = flag("pin_memory", pin_memory)
+        self.timeout = seconds("timeout", timeout)
+        self.multiprocessing_context = check_context(multiprocessing_context)
+        self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
+        self._refuse_worker_options_without_workers(worker_threads)
         self._planner = (
             None
-            if max_tokens is None
-            else PackedPlanner(dataset, batch_size=batch_size, max_tokens=max_tokens)
+            if self.max_tokens is None
+            else PackedPlanner(dataset.spec, batch_size=self.batch_size, max_tokens=self.max_tokens)
         )
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.drop_last = drop_last
-        self.even_ranks = even_ranks
-        self.dummy_image = dummy_image
-        self.pad_token_id = pad_token_id
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = pin_memory
-        self.multiprocessing_context = multiprocessing_context
-        self.timeout = timeout
-        self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
         self.epoch = dataset.epoch
         self.batches_yielded = 0
-        self.preprocess_device = (
-            None if preprocess_device is None else check_device(preprocess_device, dataset.adapter)
-        )
-        self._device_stage = (
-            None
-            if self.preprocess_device is None
-            else DevicePreprocessor(dataset.adapter, self.preprocess_device, dataset.dtype)
-        )
+        self._device_stage = self._device_stage_for(preprocess_device)
+        self.preprocess_device = None if self._device_stage is None else self._device_stage.device
+        # Chosen once: workers process images, or only decode them for the device stage.
+        self._source = dataset.source if self._device_stage is None else dataset.source.deferred()
+
+    def _device_stage_for(self, device: str | torch.device | None) -> DevicePreprocessor | None:
+        """The main-process stage of ``preprocess_device``, refused where it cannot run."""
+        if device is None:
+            return None
+        found = check_device(device, self.dataset.adapter)
+        if self.dataset._node_cache_asked:
+            raise InvalidArgumentError(
+                "the dataset's node_cache_bytes/node_cache_dir do not apply with "
+                f"preprocess_device={str(found)!r}: workers only decode images, so nothing "
+                "is processed for the node cache to share; build the dataset with "
+                "node_cache_bytes=0, or without preprocess_device"
+            )
+        return DevicePreprocessor(self.dataset.adapter, found, self.dataset.dtype)
+
+    def _refuse_padded_options_when_packed(self) -> None:
+        """Packed micro-batches have their own rules for what these options do for padded
+        batches: refused rather than silently ignored."""
+        if self.max_tokens is None:
+            return
+        refused = {
+            "drop_last": (self.drop_last, "every sample is packed; no batch is short"),
+            "even_ranks": (
+                self.even_ranks,
+                "every rank already gets the same num_micro for each step",
+            ),
+            "dummy_image": (
+                self.dummy_image,
+                "the packing plan gives a micro-batch without images its dummy image "
+                "itself, wherever the data has images",
+            ),
+        }
+        for name, (on, reason) in refused.items():
+            if on:
+                raise InvalidArgumentError(
+                    f"{name}=True does not apply to packed micro-batches "
+                    f"(max_tokens={self.max_tokens}): {reason}"
+                )
+
+    def _refuse_worker_options_without_workers(self, worker_threads: int | None) -> None:
+        """DataLoader settings for worker processes, refused when there are none."""
+        if self.num_workers:
+            return
+        given = {
+            "prefetch_factor": self.prefetch_factor is not None,
+            "timeout": self.timeout > 0,
+            "multiprocessing_context": self.multiprocessing_context is not None,
+            "worker_threads": worker_threads is not None,
+        }
+        named = [name for name, on in given.items() if on]
+        if named:
+            raise InvalidArgumentError(
+                f"{', '.join(named)} only apply to DataLoader workers, and num_workers=0 "
+                "builds every batch in this process; set num_workers or drop them"
+            )
 
     @property
     def model_input_names(self) -> tuple[str, ...]:
         """The batch keys the family's transformers model takes:
         ``model(**{k: batch[k] for k in loader.model_input_names})`` runs (packed: position
         ids and no padding mask)."""
-        if self._planner is not None:
+        if self.max_tokens is not None:
             return packed_input_names(self.dataset.adapter)
-        return self.dataset.adapter.model_input_names
+        return model_input_names(self.dataset.adapter)
 
     def set_epoch(self, epoch: int) -> None:
         """Read ``epoch`` next: from its first batch, or from where this loader stands in it
@@ -492,29 +618,38 @@ class RolloutLoader:
     def __len__(self) -> int:
         """Batches of the current epoch on this rank (the fewest of any rank if even_ranks);
         packed: micro-batches, the same number on every rank."""
-        if self._planner is not None:
-            return len(self._planner.plan(self.epoch)[0])
-        ds = self.dataset
-        ranks = range(ds.world_size) if self.even_ranks else [ds.rank]
+        planner = self._packed()
+        if planner is not None:
+            return len(planner.plan(self.epoch)[0])
+        spec = self.dataset.spec
+        ranks = range(spec.world_size) if self.even_ranks else [spec.rank]
         return min(
-            ds.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last) for r in ranks
+            spec.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last)
+            for r in ranks
         )
+
+    def _packed(self) -> PackedPlanner | None:
+        """The packed planner of the dataset's current snapshot (a resume may replace it)."""
+        if self._planner is not None:
+            self._planner = self._planner.for_spec(self.dataset.spec)
+        return self._planner
 
     def _stream(self, epoch: int, start: int, total: int) -> IterableDataset[dict[str, Any]]:
         """Batches (or packed micro-batches) ``start..total-1`` of ``epoch`` on this rank."""
-        deferred = self._device_stage is not None
-        if self._planner is not None:
+        planner = self._packed()
+        if planner is not None:
             return PackedStream(
-                self._planner,
+                planner,
+                self._source,
                 epoch=epoch,
                 start=start,
                 stop=total,
                 pad_token_id=self.pad_token_id,
-                deferred=deferred,
                 distinct_images=self.distinct_images,
             )
         return _BatchStream(
-            self.dataset,
+            self.dataset.spec,
+            self._source,
             epoch=epoch,
             start=start,
             batch_size=self.batch_size,
@@ -522,7 +657,6 @@ class RolloutLoader:
             dummy_image=self.dummy_image,
             pad_token_id=self.pad_token_id,
             total=total,
-            deferred=deferred,
             distinct_images=self.distinct_images,
         )
 
@@ -542,7 +676,7 @@ class RolloutLoader:
         total = len(self)
         stream = self._stream(self.epoch, self.batches_yielded, total)
         buffers = self._batch_buffers()
-        if self.num_workers and self.dataset.adapter.takes_tensors:
+        if self.num_workers and takes_tensors(self.dataset.adapter.image_processor):
             warm_decoder()  # imported once here, not once in each worker it forks (~50 ms)
         loader = DataLoader(
             WorkerStream(stream, buffers) if self.num_workers else stream,
@@ -582,19 +716,15 @@ class RolloutLoader:
 
     def _order_settings(self) -> dict[str, Any]:
         """Everything besides the snapshot that decides which batch comes when."""
-        ds = self.dataset
+        spec = self.dataset.spec
         return {
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "even_ranks": self.even_ranks,
-            "seed": ds.seed,
-            "shuffle": ds.shuffle,
-            "rank": ds.rank,
-            "world_size": ds.world_size,
-            "window_units": ds.window_units,
+            **spec.order_settings(),
             "max_tokens": self.max_tokens,
             # the plan's lengths are after truncation: a packed resume needs the same max_len
-            **({"max_len": ds.max_len} if self.max_tokens is not None else {}),
+            **({"max_len": spec.max_len} if self.max_tokens is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -633,13 +763,20 @@ def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
     return ", ".join(differ) or "the same parameters under another fingerprint"
 
 
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def _rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """This process's shard: as given, or from ``torch.distributed`` when both are None."""
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"rank {rank} is outside world_size {world_size}")
-    return rank, world_size
+    world = whole("world_size", 1 if world_size is None else world_size, minimum=1)
+    if rank is None and world > 1:
+        raise InvalidArgumentError(
+            f"world_size={world} without rank: every process would read rank 0's share; "
+            "pass rank too, or neither (to take both from torch.distributed)"
+        )
+    shard = whole("rank", 0 if rank is None else rank, minimum=0)
+    if shard >= world:
+        raise InvalidArgumentError(f"rank {shard} is outside world_size {world}")
+    return shard, world
 
 
 # Short names people write for the training dtype, beside torch's own attribute names.

@@ -26,9 +26,10 @@ from mmstore._exceptions import (
     LayoutMismatchError,
     MmstoreError,
 )
+from mmstore._families import run_processor, takes_tensors
 from mmstore._format.media import decode_rgb_tensor
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY, distinct, rows
-from mmstore._loading.materialize import Materializer, Sample, with_context
+from mmstore._loading.materialize import Materialized, Materializer
 from mmstore._loading.stack import batch_images
 
 if TYPE_CHECKING:
@@ -71,21 +72,7 @@ class DeferredMaterializer(Materializer):
     error the device stage raises for an image several samples show names the first.
     """
 
-    @classmethod
-    def beside(cls, materializer: Materializer) -> DeferredMaterializer:
-        """One with ``materializer``'s settings and media source (its read-ahead too)."""
-        deferred = cls(
-            materializer.store,
-            materializer.adapter,
-            dtype=materializer.dtype,
-            missing=materializer.missing,
-            max_len=materializer.max_len,
-            cache_bytes=materializer.cache.capacity,
-        )
-        deferred.media = materializer.media
-        return deferred
-
-    def image(self, ref: ImageRef, where: dict[str, Any], sample: Sample) -> Any:
+    def image(self, ref: ImageRef, where: dict[str, Any], sample: Materialized) -> Any:
         """A :class:`PendingImage`, or the processed zero placeholder of missing media."""
         self.check_ref(ref, where)
         key = self.cache_key(ref)
@@ -143,7 +130,7 @@ def collate_images(
 
 def check_device(device: str | torch.device, family: Family) -> torch.device:
     """The device to preprocess on, refused early if torch or the processor cannot use it."""
-    if not family.takes_tensors:
+    if not takes_tensors(family.image_processor):
         raise InvalidArgumentError(
             f"preprocess_device needs a torchvision image processor; "
             f"{type(family.image_processor).__name__} is not one (build the family's "
@@ -218,14 +205,14 @@ class DevicePreprocessor:
             )
             self.check_layout(outputs, entry)
         except MmstoreError as exc:
-            raise with_context(exc, **entry.where) from None
+            raise exc.with_context(**entry.where) from None
         return {key: value.to(self.device) for key, value in outputs.items()}
 
     def process(self, entry: PendingImage) -> dict[str, torch.Tensor]:
         """The processor on the device: floats there in the train dtype, integers on the CPU."""
         pixels = entry.pixels.to(self.device, non_blocking=entry.pixels.is_pinned())
-        out = self.family.run_processor(
-            [pixels], cast_to=self.dtype, device=self.device, return_tensors="pt"
+        out = run_processor(
+            self.family, [pixels], cast_to=self.dtype, device=self.device, return_tensors="pt"
         )
         tensors: dict[str, torch.Tensor] = {}
         for key in self.family.image_inputs:

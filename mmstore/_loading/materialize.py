@@ -12,7 +12,6 @@ by that hash, so no cache ever serves pixels of other bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import numpy as np
@@ -26,11 +25,12 @@ from mmstore._exceptions import (
     MediaNotFoundError,
     MmstoreError,
 )
+from mmstore._families import takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
 from mmstore._format.models import ImageRef
 from mmstore._loading.cache import ByteLRU, WindowRetention
-from mmstore._loading.node_cache import NodeCache, processor_digest
-from mmstore._rows.check import CheckedRow, RowWindow, family_checker
+from mmstore._loading.node_cache import NodeCache, fits, processor_digest
+from mmstore._rows.check import RowWindow, Sample, family_checker
 from mmstore._tensors import cast_floats
 
 if TYPE_CHECKING:
@@ -43,24 +43,10 @@ T = TypeVar("T")
 DEFAULT_CACHE_BYTES = 256 * 2**20
 _MAX_SHARED = 1 << 16  # shared hashes remembered (32-character strings: a few MiB)
 
-
-@dataclass
-class Sample:
-    """One materialized training sample (tensors of one row, not yet padded)."""
-
-    sample_id: str
-    group_id: str | None
-    input_ids: torch.Tensor  # int64 [L]
-    loss_mask: torch.Tensor  # bool [L]
-    image_mask: torch.Tensor  # bool [L], True on image placeholder tokens
-    logprobs: torch.Tensor | None  # float32 [L]
-    prompt_len: int
-    reward: float
-    advantage: float
-    # one dict per image: the family's image tensors (floats in the train dtype), each with
-    # a leading axis the family's collate concatenates over
-    images: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    missing_uris: list[str] = field(default_factory=list)
+#: A row's sample materialized: int64 ids, its own masks, and per image the family's tensors
+#: (floats in the train dtype, each with a leading axis the family's collate concatenates
+#: over; a deferred materializer's pending images instead, :mod:`.device`)
+Materialized = Sample[torch.Tensor, Any]
 
 
 def check_missing_policy(missing: str) -> None:
@@ -68,11 +54,6 @@ def check_missing_policy(missing: str) -> None:
         raise InvalidArgumentError(
             f"missing must be one of {get_args(MissingPolicy)}, got {missing!r}"
         )
-
-
-def with_context(exc: MmstoreError, **context: Any) -> MmstoreError:
-    """The same error, its context extended with where the loader met it."""
-    return type(exc)(exc.message, **{**exc.context, **context})
 
 
 class Materializer:
@@ -110,9 +91,9 @@ class Materializer:
         # (writing fresh /dev/shm pages), which an image nobody else asks for pays for nothing.
         self._publish: set[str] = set()
 
-    def samples(self, table: pa.Table) -> Iterator[Sample]:
+    def samples(self, table: pa.Table) -> Iterator[Materialized]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
-        each checked first (:mod:`._rowcheck`): a bad row raises when it is reached."""
+        each checked first (:mod:`mmstore._rows.check`): a bad row raises when it is reached."""
         window = self.window(table)
         self.retention.begin(window.images.hashes())
         for i in range(window.num_rows):
@@ -148,23 +129,22 @@ class Materializer:
             self._publish.clear()
         self._publish |= wanted_elsewhere(table, unit_rows, mine, neighbours)
 
-    def checked_sample(self, row: CheckedRow) -> Sample:
+    def checked_sample(self, row: Sample[np.ndarray, ImageRef]) -> Materialized:
         """A row that passed the reader's checks -> tensors, images materialized."""
-        n = len(row.tokens)
-        image_mask = torch.zeros(n, dtype=torch.bool)
-        sample = Sample(
+        sample: Materialized = Sample(
             sample_id=row.sample_id,
             group_id=row.group_id,
-            input_ids=torch.from_numpy(row.tokens.astype(np.int64)),
+            # copies: the row's arrays are views of its whole window
+            input_ids=torch.from_numpy(row.input_ids.astype(np.int64)),
             loss_mask=torch.from_numpy(row.loss_mask.copy()),
-            image_mask=image_mask,
             logprobs=None if row.logprobs is None else torch.from_numpy(row.logprobs.copy()),
             prompt_len=row.prompt_len,
             reward=row.reward,
             advantage=row.advantage,
+            images=[],
+            where=row.where,
         )
         for index, ref in enumerate(row.images):
-            image_mask[ref.offset : ref.offset + ref.length] = True
             where = {**row.where, "image_index": index}
             sample.images.append(self.image(ref, where, sample))
         if sample.missing_uris:
@@ -172,7 +152,7 @@ class Materializer:
         return sample
 
     def image(
-        self, ref: ImageRef, where: dict[str, Any], sample: Sample
+        self, ref: ImageRef, where: dict[str, Any], sample: Materialized
     ) -> dict[str, torch.Tensor]:
         """One image's tensors (floats in the train dtype), from cache or the processor."""
         self.check_ref(ref, where)
@@ -191,7 +171,7 @@ class Materializer:
                 outputs, ref, sample_id=where.get("sample_id"), image_index=where["image_index"]
             )
         except MmstoreError as exc:
-            raise with_context(exc, **where) from None
+            raise exc.with_context(**where) from None
         if not hit:
             self.cache.put(
                 key, outputs, sum(t.numel() * t.element_size() for t in outputs.values())
@@ -202,7 +182,7 @@ class Materializer:
         return (ref.hash, self.adapter.fingerprint)
 
     def guarded(
-        self, ref: ImageRef, where: dict[str, Any], sample: Sample, read: Callable[[], T]
+        self, ref: ImageRef, where: dict[str, Any], sample: Materialized, read: Callable[[], T]
     ) -> T | None:
         """``read()``, ``where`` added to its errors; None for missing media under the
         placeholder policy (the sample marked, its loss masked)."""
@@ -210,11 +190,11 @@ class Materializer:
             return read()
         except MediaNotFoundError as exc:
             if self.missing == "error":
-                raise with_context(exc, **where) from None
+                raise exc.with_context(**where) from None
             sample.missing_uris.append(ref.uri)
             return None
         except MmstoreError as exc:
-            raise with_context(exc, **where) from None
+            raise exc.with_context(**where) from None
 
     def _processed(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         """The node cache's entry for ``ref`` (processed once per node), or processed here."""
@@ -222,13 +202,29 @@ class Materializer:
             return self._process(ref)
         key = self.node_cache.key(ref.hash, self.adapter.fingerprint, *self._node_key)
         publish = ref.hash in self._publish
-        return self.node_cache.get_or_compute(key, lambda: self._process(ref), publish=publish)
+        return self.node_cache.get_or_compute(
+            key,
+            lambda: self._process(ref),
+            publish=publish,
+            # An entry is served only in the shapes and dtypes this ref's image takes, and only
+            # while its media exists: what a loader trains on, and which errors it raises, must
+            # not depend on what an earlier process left on the node.
+            check=lambda got: fits(
+                got, self.adapter.placeholder(ref.width, ref.height), self.dtype
+            ),
+            confirm=lambda: self._media_exists(ref),
+        )
+
+    def _media_exists(self, ref: ImageRef) -> None:
+        """Raise what a read would for media that is gone (a stat, not a read)."""
+        if self.store.media_stat(ref.uri) is None:
+            raise MediaNotFoundError("media file not found", uri=ref.uri)
 
     def _process(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         """Verified read, decode, the processor, floats cast to the train dtype."""
         data = self.media.read_media(ref.uri, ref.hash)
         # A torchvision processor takes the decoded tensor as is; a PIL one, a PIL image.
-        decode = decode_rgb_tensor if self.adapter.takes_tensors else decode_rgb
+        decode = decode_rgb_tensor if takes_tensors(self.adapter.image_processor) else decode_rgb
         image = decode(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
         return self.adapter.process([image], self.dtype)
 
@@ -249,7 +245,7 @@ class Materializer:
         try:
             self.store.resolve(ref.uri)
         except MmstoreError as exc:
-            raise with_context(exc, **where) from None
+            raise exc.with_context(**where) from None
 
     def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmstore._loading.collate import dummy
+from mmstore._loading.collate import dummy, model_input_names, token_types
 from mmstore._loading.device import collate_images
-from mmstore._loading.materialize import Sample
+from mmstore._loading.materialize import Materialized
 
 if TYPE_CHECKING:
     from mmstore._families import Family
@@ -30,7 +30,7 @@ def packed_input_names(family: Family) -> tuple[str, ...]:
     and ``use_cache=False``: transformers derives the per-sample block mask from the position
     ids only without a KV cache, and an eval-mode model builds one by default, silently letting
     packed samples attend to each other."""
-    names = [name for name in family.model_input_names if name != "attention_mask"]
+    names = [name for name in model_input_names(family) if name != "attention_mask"]
     return (names[0], "position_ids", *names[1:], "use_cache")
 
 
@@ -44,7 +44,7 @@ def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch
 
 
 def pack(
-    samples: Sequence[Sample],
+    samples: Sequence[Materialized],
     family: Family,
     *,
     add_dummy: bool,
@@ -66,7 +66,7 @@ def pack(
         tokens, tensors = dummy(family, dtype)
         segments.append((tokens, torch.zeros(len(tokens), dtype=torch.bool), None, [tensors]))
     elif not samples:
-        pad = family.pad_token_id if pad_token_id is None else pad_token_id
+        pad = family.layout.pad_token_id if pad_token_id is None else pad_token_id
         segments.append((torch.tensor([pad]), torch.zeros(1, dtype=torch.bool), None, []))
     lengths = [len(seg[0]) for seg in segments]
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
@@ -81,7 +81,7 @@ def pack(
         "use_cache": False,
         "max_seqlen": max(lengths),
         "loss_mask": torch.cat([seg[1] for seg in segments])[None],
-        **family.token_types(input_ids),
+        **token_types(family, input_ids),
         **collate_images(
             family,
             [image for seg in segments for image in seg[3]],

@@ -1,10 +1,14 @@
-"""The packed loader's plumbing: the epoch plan of a dataset, and a stream of micro-batches.
+"""The packed loader's plumbing: the epoch plan of what a rank reads, and a stream of
+micro-batches.
 
-:class:`PackedPlanner` turns a dataset's snapshot into this rank's :class:`RankPlan` for an
-epoch (from row metadata only, see :mod:`._rowmeta` and :mod:`._pack`), refusing a sample
-longer than the budget by name. :class:`PackedStream` builds micro-batches ``start + w, start +
-w + n, …`` in DataLoader worker ``w`` of ``n``, so DataLoader's round robin yields them in plan
-order for any number of workers, and a resume at micro-batch ``k`` only needs ``start = k``.
+:class:`PackedPlanner` turns a :class:`.spec.ReadSpec` (snapshot, order settings) into this
+rank's :class:`RankPlan` for an epoch (from row metadata only, see :mod:`._rowmeta` and
+:mod:`._pack`), refusing a sample longer than the budget by name. :class:`PackedStream`
+builds micro-batches ``start + w, start + w + n, …`` in DataLoader worker ``w`` of ``n``, so
+DataLoader's round robin yields them in plan order for any number of workers, and a resume
+at micro-batch ``k`` only needs ``start = k``; its samples come from the
+:class:`.spec.MaterializerSource` the loader chose (plain, or decoded only for the device
+stage).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError, SampleTooLongError
 from mmstore._loading.microbatch import pack
+from mmstore._loading.spec import MaterializerSource, ReadSpec
 from mmstore._planning.pack import RankPlan, budget_for, epoch_order, plan_epoch
 from mmstore._rows.check import RowWindow
 from mmstore._rows.files import open_rollout_file
@@ -25,7 +30,6 @@ from mmstore._rows.lengths import RowMeta, read_row_meta
 from mmstore._rows.snapshot import read_units
 
 if TYPE_CHECKING:
-    from mmstore._loading.dataset import RolloutDataset
     from mmstore._rows.snapshot import WorkUnit
 
 # Row groups a worker keeps decoded: a step's rows come from a couple of shuffle windows.
@@ -33,31 +37,32 @@ UNIT_CACHE = 16
 
 
 class PackedPlanner:
-    """Plans of one dataset's epochs for ``max_tokens`` / ``batch_size`` (cached per epoch)."""
+    """Plans of one spec's epochs for ``max_tokens`` / ``batch_size`` (cached per epoch)."""
 
-    def __init__(self, dataset: RolloutDataset, *, batch_size: int, max_tokens: int) -> None:
-        family = dataset.adapter
+    def __init__(self, spec: ReadSpec, *, batch_size: int, max_tokens: int) -> None:
+        family = spec.adapter
         self.dummy_tokens = family.num_tokens(*family.dummy_size)
         if max_tokens <= self.dummy_tokens:
             raise InvalidArgumentError(
                 f"max_tokens={max_tokens} leaves no room beside the {self.dummy_tokens}-token "
                 "dummy image"
             )
-        self.dataset = dataset
+        self.spec = spec
         self.batch_size = batch_size
         self.max_tokens = max_tokens
-        self._meta: tuple[tuple[str, ...], RowMeta] | None = None
+        self._meta: RowMeta | None = None
         self._plans: dict[int, tuple[RankPlan, np.ndarray]] = {}  # the last epoch planned
 
+    def for_spec(self, spec: ReadSpec) -> PackedPlanner:
+        """This planner, or one for ``spec`` if it is another (a resumed run's snapshot)."""
+        if spec is self.spec:
+            return self
+        return PackedPlanner(spec, batch_size=self.batch_size, max_tokens=self.max_tokens)
+
     def meta(self) -> RowMeta:
-        files = self.dataset.snapshot.files
-        if self._meta is None or self._meta[0] != files:
-            self._meta = (
-                files,
-                read_row_meta(self.dataset.store, self.dataset.snapshot, self.dataset.max_len),
-            )
-            self._plans.clear()
-        return self._meta[1]
+        if self._meta is None:
+            self._meta = read_row_meta(self.spec.store, self.spec.snapshot, self.spec.max_len)
+        return self._meta
 
     def budget(self) -> int:
         return budget_for(self.max_tokens, self.dummy_tokens, bool(self.meta().images.any()))
@@ -66,25 +71,25 @@ class PackedPlanner:
         """This rank's micro-batches of ``epoch``, and the flat row of each epoch position."""
         meta = self.meta()
         if epoch not in self._plans:
-            ds = self.dataset
+            spec = self.spec
             self._refuse_too_long(meta)
             order = epoch_order(
-                ds.snapshot,
+                spec.snapshot,
                 meta.unit_offsets,
                 meta.block_start,
-                seed=ds.seed,
+                seed=spec.seed,
                 epoch=epoch,
-                shuffle=ds.shuffle,
-                window_units=ds.window_units,
+                shuffle=spec.shuffle,
+                window_units=spec.window_units,
             )
             packing = plan_epoch(
                 meta.lengths[order],
                 meta.images[order] > 0,
                 batch_size=self.batch_size,
-                world_size=ds.world_size,
+                world_size=spec.world_size,
                 budget=self.budget(),
             )
-            self._plans = {epoch: (packing.for_rank(ds.rank), order)}
+            self._plans = {epoch: (packing.for_rank(spec.rank), order)}
         return self._plans[epoch]
 
     def _refuse_too_long(self, meta: RowMeta) -> None:
@@ -94,7 +99,7 @@ class PackedPlanner:
             return
         row = int(too_long[0])
         unit, index = self.locate(row)
-        sample_id = _read_rows(self.dataset, unit, [index], ["sample_id"])[0]["sample_id"]
+        sample_id = _read_rows(self.spec, unit, [index], ["sample_id"])[0]["sample_id"]
         reserve = self.max_tokens - budget
         raise SampleTooLongError(
             f"sample of {int(meta.lengths[row])} tokens exceeds max_tokens={self.max_tokens}"
@@ -115,7 +120,7 @@ class PackedPlanner:
         """The unit of flat row ``row``, and the row's index within it."""
         offsets = self.meta().unit_offsets
         u = int(np.searchsorted(offsets, row, side="right")) - 1
-        return self.dataset.snapshot.units[u], row - int(offsets[u])
+        return self.spec.snapshot.units[u], row - int(offsets[u])
 
 
 class PackedStream(IterableDataset[dict[str, Any]]):
@@ -124,16 +129,16 @@ class PackedStream(IterableDataset[dict[str, Any]]):
     def __init__(
         self,
         planner: PackedPlanner,
+        source: MaterializerSource,
         *,
         epoch: int,
         start: int,
         stop: int | None = None,
         pad_token_id: int | None = None,
-        deferred: bool = False,
         distinct_images: bool = False,
     ) -> None:
         self.planner = planner
-        self.deferred = deferred  # images decoded only, for the device stage (._device)
+        self.source = source
         self.distinct_images = distinct_images
         self.stop = stop
         self.pad_token_id = pad_token_id
@@ -144,8 +149,8 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan, order = self.planner.plan(self.epoch)
-        ds = self.planner.dataset
-        cache = ds.materializer(self.deferred).cache
+        spec = self.planner.spec
+        cache = self.source.get().cache
         units: OrderedDict[WorkUnit, RowWindow] = OrderedDict()
         stop = len(plan) if self.stop is None else min(self.stop, len(plan))
         for index in range(self.start + worker, stop, workers):
@@ -153,9 +158,9 @@ class PackedStream(IterableDataset[dict[str, Any]]):
             samples = [self._sample(int(order[p]), units) for p in plan.samples(index)]
             batch = pack(
                 samples,
-                ds.adapter,
+                spec.adapter,
                 add_dummy=bool(plan.dummy[index]),
-                dtype=ds.dtype,
+                dtype=spec.dtype,
                 pad_token_id=self.pad_token_id,
                 distinct_images=self.distinct_images,
             )
@@ -172,17 +177,16 @@ class PackedStream(IterableDataset[dict[str, Any]]):
 
     def _sample(self, row: int, units: OrderedDict[WorkUnit, RowWindow]) -> Any:
         unit, index = self.planner.locate(row)
-        dataset = self.planner.dataset
+        materializer = self.source.get()
         window = units.get(unit)
         if window is None:  # read, conformed and checked as the padded loader reads
-            materializer = dataset.materializer(self.deferred)
-            table = read_units(dataset.store, [unit])
+            table = read_units(self.planner.spec.store, [unit])
             # Which worker packs which row is the plan's: any row may be another's.
             materializer.note_window(table, [table.num_rows])
             window = units[unit] = materializer.window(table)
             while len(units) > UNIT_CACHE:
                 units.popitem(last=False)
-        sample = dataset.materializer(self.deferred).checked_sample(window.row(index))
+        sample = materializer.checked_sample(window.row(index))
         expected = int(self.planner.meta().lengths[row])
         if len(sample.input_ids) != expected:  # the footer's count is checked, never trusted
             raise CorruptFileError(
@@ -196,10 +200,10 @@ class PackedStream(IterableDataset[dict[str, Any]]):
 
 
 def _read_rows(
-    dataset: RolloutDataset, unit: WorkUnit, indices: list[int] | None, columns: list[str]
+    spec: ReadSpec, unit: WorkUnit, indices: list[int] | None, columns: list[str]
 ) -> list[dict[str, Any]]:
     try:
-        table = open_rollout_file(dataset.store, unit.file).read_row_group(
+        table = open_rollout_file(spec.store, unit.file).read_row_group(
             unit.row_group, columns=columns
         )
     except (OSError, pa.ArrowException) as exc:

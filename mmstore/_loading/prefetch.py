@@ -144,7 +144,12 @@ def prefetcher_for(store: Store, max_requests: int | None, max_bytes: int) -> Pr
     """A prefetcher for remote stores; None for a local one (reads there cost no round trip)
     or when ``max_requests`` is 0. ``None`` picks the default for the store."""
     if max_requests is None:
-        max_requests = 0 if isinstance(store.backend, LocalBackend) else DEFAULT_PREFETCH_REQUESTS
+        max_requests = default_requests(store)
     if max_requests == 0:
         return None
     return Prefetcher(store, max_requests=max_requests, max_bytes=max_bytes)
+
+
+def default_requests(store: Store) -> int:
+    """Reads in flight per worker when none is asked: none on a local store."""
+    return 0 if isinstance(store.backend, LocalBackend) else DEFAULT_PREFETCH_REQUESTS

@@ -41,6 +41,20 @@ def check_worker_threads(threads: int | None, context: Any) -> int:
     return threads
 
 
+def check_context(context: Any) -> Any:
+    """A DataLoader ``multiprocessing_context``: None, a start method this platform has
+    (``"fork"``, ``"spawn"``, ``"forkserver"``), or a :mod:`multiprocessing` context."""
+    if context is None or isinstance(context, multiprocessing.context.BaseContext):
+        return context
+    methods = multiprocessing.get_all_start_methods()
+    if not isinstance(context, str) or context not in methods:
+        raise InvalidArgumentError(
+            f"multiprocessing_context must be one of {methods} or a multiprocessing "
+            f"context, got {context!r}"
+        )
+    return context
+
+
 def start_method(context: Any) -> str:
     """How a DataLoader with ``multiprocessing_context=context`` starts its workers."""
     if context is None:

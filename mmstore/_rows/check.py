@@ -16,6 +16,10 @@ loader (and ``verify``) re-check every row it reads, with the writer's own span 
 
 A bad row raises a typed :class:`MmstoreError` naming the file, run, step and sample (and
 the image index where there is one); ``verify`` reports the same errors as problems.
+
+A row that passes is a :class:`Sample`: the one record of a row on its way to the model,
+first as numpy views with its image refs, then (:mod:`mmstore._loading.materialize`) as
+torch tensors with its images' tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +37,7 @@ from mmstore._exceptions import InvalidRolloutError, MmstoreError
 from mmstore._families import Family
 from mmstore._format.models import ImageRef
 from mmstore._format.schema import FILE_COLUMN, ROLLOUT_SCHEMA, ROW_COLUMNS
-from mmstore._rows.files import location
+from mmstore._rows.files import where_of_file
 from mmstore._rows.invariants import check_spans, truncation_point
 
 # No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
@@ -43,26 +47,37 @@ MAX_ROW_TOKENS = 2**22
 MAX_ROW_IMAGES = 2**14
 FamilyOf = Callable[[str, str], Family]  # (fingerprint, family name) -> Family, or raises
 
+Array = TypeVar("Array")  # numpy views as checked; torch tensors once materialized
+Image = TypeVar("Image")  # an ImageRef as checked; the image's tensors once materialized
+
 
 @dataclass
-class CheckedRow:
-    """One row that passed every check, cut to ``max_len``: numpy views, kept refs only."""
+class Sample(Generic[Array, Image]):
+    """One training sample: a row that passed every check, cut to ``max_len``.
+
+    :meth:`RowWindow.row` gives it as ``Sample[np.ndarray, ImageRef]`` (views of the window's
+    columns, the kept refs); the loader's materializer turns it into ``Sample[torch.Tensor,
+    ...]`` (its own tensors, each image's tensors in the train dtype), not yet padded.
+    """
 
     sample_id: str
     group_id: str | None
-    tokens: np.ndarray  # int32 [cut]
-    loss_mask: np.ndarray  # bool [cut]
-    logprobs: np.ndarray | None  # float32 [cut]
+    input_ids: Array  # int32 views [cut]; materialized: int64
+    loss_mask: Array  # bool [cut]; materialized: zero where an image is missing
+    logprobs: Array | None  # float32 [cut]
     prompt_len: int
     reward: float
     advantage: float
-    images: list[ImageRef]
-    where: dict[str, Any] = field(default_factory=dict)  # file, run_id, step, sample_id
+    images: list[Image]
+    #: where the row came from: file, run_id, step, sample_id (what its errors name)
+    where: dict[str, Any] = field(default_factory=dict)
+    #: URIs of media found missing (the ``placeholder_zero_loss`` policy stood in for them)
+    missing_uris: list[str] = field(default_factory=list)
 
 
 class RowWindow:
     """The rows of one Arrow table (the v1 loader columns, optionally ``_file``), checked
-    one at a time: :meth:`row` returns a :class:`CheckedRow` or raises.
+    one at a time: :meth:`row` returns a :class:`Sample` or raises.
 
     Columns are turned into numpy once per window; per row only slices are taken, and
     Python objects are built only for the kept part of a row that passed.
@@ -87,7 +102,7 @@ class RowWindow:
         self._files = None
         if FILE_COLUMN in table.column_names:
             self._files = _codes(table.column(FILE_COLUMN).combine_chunks())
-        self._locations: dict[str | None, dict[str, Any]] = {}
+        self._file_wheres: dict[str | None, dict[str, Any]] = {}
         col = {name: table.column(name).combine_chunks() for name in ROW_COLUMNS}
         # One value per row: Python lists once a window are cheaper than a scalar per call.
         self._scalars = {
@@ -122,31 +137,32 @@ class RowWindow:
         return fine
 
     def where(self, i: int, sample_id: Any = None) -> dict[str, Any]:
+        """Where row ``i`` came from: its file, run, step and ``sample_id``."""
         file = self._file
         if self._files is not None:
             codes, names = self._files
             file = names[codes[i]]
-        if file not in self._locations:
-            self._locations[file] = location(file) if file is not None else {}
-        return {**self._locations[file], "sample_id": sample_id}
+        if file not in self._file_wheres:
+            self._file_wheres[file] = where_of_file(file) if file is not None else {}
+        return {**self._file_wheres[file], "sample_id": sample_id}
 
-    def row(self, i: int) -> CheckedRow:
+    def row(self, i: int) -> Sample[np.ndarray, ImageRef]:
         """Row ``i``, checked and cut; a typed error naming file, run, step and sample."""
         sid = self._scalars["sample_id"][i]
         where = self.where(i, sid)
         try:
             cut, lo, kept = self._check(i, sid)
         except MmstoreError as exc:
-            raise type(exc)(exc.message, **{**exc.context, **where}) from None
+            raise exc.with_context(**where) from None
         s = self.tokens.start(i)
         logprobs = None
         if self.logprobs.valid(i):
             logprobs = self.logprobs.values[self.logprobs.start(i) :][:cut]
         scalar = self._scalars
-        return CheckedRow(
+        return Sample(
             sample_id=sid,
             group_id=scalar["group_id"][i],
-            tokens=self.tokens.values[s : s + cut],
+            input_ids=self.tokens.values[s : s + cut],
             loss_mask=self.loss_mask.values[self.loss_mask.start(i) :][:cut],
             logprobs=logprobs,
             prompt_len=min(scalar["prompt_len"][i], cut),
@@ -162,7 +178,7 @@ class RowWindow:
         try:
             self._check(i, sid)
         except MmstoreError as exc:
-            raise type(exc)(exc.message, **{**exc.context, **self.where(i, sid)}) from None
+            raise exc.with_context(**self.where(i, sid)) from None
 
     def _check(self, i: int, sid: Any) -> tuple[int, int, int]:
         """``(cut, first ref index, refs kept)`` of a row that passes; raises otherwise."""

@@ -156,7 +156,7 @@ def open_rollout_file(store: Storage, path: str) -> pq.ParquetFile:
         # regular file first (stat never blocks).
         local = isinstance(store.backend.fs, pafs.LocalFileSystem)
         if local and not S_ISREG(os.stat(full).st_mode):
-            raise CorruptFileError("not a regular file", **location(path))
+            raise CorruptFileError("not a regular file", **where_of_file(path))
         source = store.backend.fs.open_input_file(full)
         return pq.ParquetFile(source, page_checksum_verification=True)
 
@@ -169,7 +169,7 @@ def reading(path: str) -> Iterator[None]:
         yield
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
         raise CorruptFileError(
-            f"unreadable rollout file: {type(exc).__name__}: {exc}", **location(path)
+            f"unreadable rollout file: {type(exc).__name__}: {exc}", **where_of_file(path)
         ) from None
 
 
@@ -191,7 +191,7 @@ def check_value_counts(meta: pq.FileMetaData, row_group: int, table: pa.Table, p
             raise CorruptFileError(
                 f"column {chunk.path_in_schema} of row group {row_group} decodes to {count} "
                 f"values, the footer records {chunk.num_values}",
-                **location(path),
+                **where_of_file(path),
             )
 
 
@@ -292,7 +292,7 @@ def media_hash(path: str) -> str | None:
     return digest
 
 
-def location(path: str) -> dict[str, Any]:
+def where_of_file(path: str) -> dict[str, Any]:
     """``file``, ``run_id`` and ``step`` of a rollout file, as far as its path tells."""
     try:
         run_id, step = partition_of(path)
@@ -308,7 +308,7 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
     for name in columns:
         target = ROLLOUT_SCHEMA.field(name).type
         if name not in table.column_names:
-            raise CorruptFileError(f"rollout file has no {name!r} column", **location(file))
+            raise CorruptFileError(f"rollout file has no {name!r} column", **where_of_file(file))
         column = table.column(name)
         if column.type != target:
             try:
@@ -317,7 +317,7 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
                 raise CorruptFileError(
                     f"column {name!r} of type {column.type} does not read as the v1 {target}: "
                     f"{exc}",
-                    **location(file),
+                    **where_of_file(file),
                 ) from None
         arrays.append(column)
     return pa.Table.from_arrays(arrays, names=list(columns))

@@ -11,7 +11,13 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from mmstore._exceptions import ImageSizeError, InvalidArgumentError, InvalidRolloutError
-from mmstore._families import Family, Layout, family_for_layout, layout_for_fingerprint
+from mmstore._families import (
+    Family,
+    Layout,
+    expansion_array,
+    family_for_layout,
+    layout_for_fingerprint,
+)
 from mmstore._format.models import Rollout, list_array
 
 LayoutLookup = Callable[[str], "Layout | None"]
@@ -51,7 +57,7 @@ def check_rollout(
             image_token_ids,
         )
     except InvalidRolloutError as exc:
-        raise InvalidRolloutError(exc.message, **{**exc.context, "sample_id": sid}) from None
+        raise exc.with_context(sample_id=sid) from None
 
 
 def check_spans(
@@ -121,7 +127,7 @@ def check_spans(
 
 def _expansion(family: Family, width: int, height: int, index: int) -> np.ndarray:
     try:
-        return family.expansion_array(width, height)
+        return expansion_array(family, width, height)
     except ImageSizeError as exc:  # e.g. an aspect ratio the family cannot lay out
         raise InvalidRolloutError(exc.message, image_index=index) from None
 

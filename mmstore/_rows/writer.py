@@ -247,7 +247,7 @@ class RolloutWriter:
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids)
         except InvalidRolloutError as exc:
-            raise InvalidRolloutError(exc.message, **{**exc.context, **where}) from None
+            raise exc.with_context(**where) from None
         for index, ref in enumerate(rollout.images):
             if (ref.uri, ref.hash) not in self._known_media:
                 self.store.ensure_media(ref, **where, image_index=index)

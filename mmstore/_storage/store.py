@@ -269,7 +269,7 @@ class Storage:
             if backend.stat(rel) is None:
                 raise MediaNotFoundError("referenced media is not in the store", uri=ref.uri)
         except MmstoreError as exc:
-            raise type(exc)(exc.message, **{**exc.context, **where}) from None
+            raise exc.with_context(**where) from None
 
     # -- URIs ----------------------------------------------------------------------------
 

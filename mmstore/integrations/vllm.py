@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 
 from mmstore._exceptions import InvalidRolloutError, MmstoreError
-from mmstore._families import Family, family_for_layout, layout_for_fingerprint
+from mmstore._families import Family, expansion_array, family_for_layout, layout_for_fingerprint
 from mmstore._format.media import probe
 from mmstore._format.models import ImageRef, Rollout
 from mmstore._rows.store import Store
@@ -186,7 +186,7 @@ def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout)
                 sample_id=sid,
                 image_index=index,
             )
-        expected = family.expansion_array(ref.width, ref.height)
+        expected = expansion_array(family, ref.width, ref.height)
         span = ids[ref.offset : end]
         if span.shape != expected.shape or (span != expected).any():
             raise InvalidRolloutError(
@@ -250,9 +250,7 @@ def _verified(
     try:
         value, size = load(store, ref)
     except MmstoreError as exc:
-        raise type(exc)(
-            exc.message, **{**exc.context, "sample_id": rollout.sample_id, "image_index": index}
-        ) from exc
+        raise exc.with_context(sample_id=rollout.sample_id, image_index=index) from exc
     if size != (ref.width, ref.height):
         raise InvalidRolloutError(
             f"image is {size[0]}x{size[1]} but the ref (and its span) says "
