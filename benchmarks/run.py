@@ -110,6 +110,37 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("polars scan / pyarrow dataset rows/s", "polars_over_pyarrow", "better"),
         ],
     ),
+    # The rollouts Delta table (format v2) against format v1's rename and listing; the S3
+    # rows only with S3=1 in the environment (moto_server, directly and at 30 ms).
+    "table": (
+        "benchmarks.bench_table",
+        [
+            ("commit: rename-only / Delta log commit", "rename_over_log", "better"),
+            ("Delta commit: small / 10k-file table (at scale 1)", "log_small_over_large", "flat"),
+            (
+                "snapshot: listing / Delta open (checkpoint + 19 entries)",
+                "listing_over_delta_latest",
+                "better",
+            ),
+            (
+                "snapshot: listing / Delta open (checkpoint alone)",
+                "listing_over_delta_checkpoint",
+                "better",
+            ),
+            ("S3 commit: rename-only / Delta log commit", "s3_rename_over_log", "better"),
+            (
+                "S3 snapshot: listing / Delta open (checkpoint + 19)",
+                "s3_listing_over_delta_latest",
+                "better",
+            ),
+            ("S3 30 ms commit: rename-only / Delta commit", "s3_30ms_rename_over_log", "better"),
+            (
+                "S3 30 ms snapshot: listing / Delta open (checkpoint + 19)",
+                "s3_30ms_listing_over_delta_latest",
+                "better",
+            ),
+        ],
+    ),
 }
 
 

@@ -16,7 +16,12 @@ import tempfile
 import time
 from typing import Any
 
+from mmstore import debug
+from mmstore._families import adapter_for
+from mmstore._lifecycle.gc import release_run
 from mmstore._progress import bar
+from mmstore._rows.store import Store
+from mmstore.synth import grpo_rollouts
 
 DEFAULT_ROOT = "mmstore-demo"
 DEMO_RUN = "demo"
@@ -44,8 +49,7 @@ def main(
         Qwen2VLImageProcessorPil,
     )
 
-    from mmstore import RolloutDataset, RolloutLoader, Store, adapter_for
-    from mmstore.synth import grpo_rollouts
+    from mmstore import RolloutDataset, RolloutLoader  # torch: only when the demo runs
 
     workdir = None
     if tmp:
@@ -97,8 +101,6 @@ def main(
 
 def _replace_earlier_demo(store: Any) -> None:
     """A rerun into the same store starts from a clean demo run (its rows would repeat)."""
-    from mmstore import release_run
-
     prefix = f"rollouts/run_id={DEMO_RUN}/"
     if any(f.path.startswith(prefix) for f in store.rollout_files()):
         release_run(store, DEMO_RUN, grace_seconds=0)
@@ -115,8 +117,6 @@ def _summary(
     peak_batch: int,
 ) -> dict[str, Any]:
     """The store's figures (from ``debug.summary``) beside the training read's."""
-    from mmstore import debug
-
     stored = debug.summary(store, by=(), progress=False).row(0, named=True)
     on_disk = stored["media_bytes"] + stored["parquet_bytes"]
     return {

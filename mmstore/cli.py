@@ -20,6 +20,7 @@ import polars as pl
 import pyarrow as pa
 
 from mmstore import __version__, debug
+from mmstore import _demo as demo
 from mmstore._exceptions import MmstoreError, NoMatchError, NotAStoreError
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import gc, release_run
@@ -101,16 +102,14 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from mmstore import _demo
-
     options = {k: v for k in DEMO_OPTIONS if (v := getattr(args, k)) is not None}
     if args.json:
         # The demo prints its own report; with --json stdout carries only the JSON document.
         with contextlib.redirect_stdout(sys.stderr):
-            summary = _demo.main(args.root, tmp=args.tmp, **options)
+            summary = demo.main(args.root, tmp=args.tmp, **options)
         _print_json(summary)
     else:
-        _demo.main(args.root, tmp=args.tmp, **options)
+        demo.main(args.root, tmp=args.tmp, **options)
     return 0
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -35,11 +35,8 @@ from mmstore._families import Layout, family_for_layout, layout_for_fingerprint,
 from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
 from mmstore._rows.files import partition_of, reading
-from mmstore._storage.backends import S3Backend
-
-if TYPE_CHECKING:
-    from mmstore._rows.store import Store
-    from mmstore._storage.backends import FileStat
+from mmstore._rows.store import Store
+from mmstore._storage.backends import FileStat, S3Backend
 
 __all__ = [
     "images",

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmstore._families import Family
 from mmstore._format.models import MediaRef, Rollout
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
-    from mmstore._rows.store import Store
+from mmstore._rows.store import Store
 
 # Qwen chat-template tokens around an image (ids from the Qwen2-VL tokenizer).
 VISION_START, VISION_END = 151652, 151653

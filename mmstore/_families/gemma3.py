@@ -33,15 +33,13 @@ inside a text sentence) is refused: off by default, and its layout is not built 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, Token, size_value
-
-if TYPE_CHECKING:
-    from mmstore._format.models import ImageRef
+from mmstore._format.models import ImageRef
 
 # Soft tokens per image of the published models: `mm_tokens_per_image` in their config.json
 # and `Gemma3Processor(image_seq_length=256)`'s default.

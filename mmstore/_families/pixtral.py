@@ -20,15 +20,13 @@ processor on every call, and so does :meth:`Pixtral.processor_kwargs`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, Layout, Token, size_value
-
-if TYPE_CHECKING:
-    from mmstore._format.models import ImageRef
+from mmstore._format.models import ImageRef
 
 # The processor's spatial merge with an image processor alone, which does not know it:
 # Mistral-Small-3.1 / 3.2 (Mistral3ForConditionalGeneration) publish patch_size 14,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,9 +42,7 @@ from mmstore._rows.files import (
 )
 from mmstore._rows.store import Store
 from mmstore._rows.writer import parquet_options
-
-if TYPE_CHECKING:
-    from mmstore._storage.backends import Backend
+from mmstore._storage.backends import Backend
 
 COPY_THREADS = 8
 MediaKey = tuple[str, str]  # (uri, hash) as the source rows spell it

@@ -40,19 +40,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mmstore._exceptions import DeleteFailedError, InvalidArgumentError
 from mmstore._format.media import media_path
 from mmstore._lifecycle.pins import pinned_hashes
 from mmstore._rows.files import media_hash, referenced_hashes, select_files
+from mmstore._rows.store import Store
 from mmstore._rows.writer import check_partition
-from mmstore._storage.backends import STAGING, FileStat, LocalBackend
+from mmstore._storage.backends import STAGING, Backend, FileStat, LocalBackend
 from mmstore._storage.store import MEDIA, ROLLOUTS
-
-if TYPE_CHECKING:
-    from mmstore._rows.store import Store
-    from mmstore._storage.backends import Backend
 
 # Deletes are I/O bound (one or two S3 round trips each); a few threads hide the latency.
 SWEEP_THREADS = 16

@@ -12,15 +12,13 @@ import json
 import re
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError, NoMatchError
 from mmstore._format.models import ImageRef, MediaRef
 from mmstore._rows.files import HASH_RE, referenced_hashes, select_files
+from mmstore._rows.store import Store
 from mmstore._storage.store import PINS
-
-if TYPE_CHECKING:
-    from mmstore._rows.store import Store
 
 PIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PIN_FORMAT = "mmstore.pin"

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -46,11 +46,9 @@ from mmstore._rows.files import (
     reading,
     where_of_file,
 )
+from mmstore._rows.store import Store
+from mmstore._storage.backends import Backend
 from mmstore._storage.store import MEDIA, PINS
-
-if TYPE_CHECKING:
-    from mmstore._rows.store import Store
-    from mmstore._storage.backends import Backend
 
 PROBLEM_KINDS = (
     "unreadable_file",

@@ -7,18 +7,15 @@ Also what every family's batch shares, whatever the family: the keys its model t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from mmstore._families import expansion_array
+from mmstore._families import Family, expansion_array
 from mmstore._loading.device import collate_images
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY
 from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
 
 
 def model_input_names(family: Family) -> tuple[str, ...]:

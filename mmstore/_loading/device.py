@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,15 +26,12 @@ from mmstore._exceptions import (
     LayoutMismatchError,
     MmstoreError,
 )
-from mmstore._families import run_processor, takes_tensors
+from mmstore._families import Family, run_processor, takes_tensors
 from mmstore._format.media import decode_rgb_tensor
+from mmstore._format.models import ImageRef
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY, distinct, rows
 from mmstore._loading.materialize import Materialized, Materializer
 from mmstore._loading.stack import batch_images
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
-    from mmstore._format.models import ImageRef
 
 #: the batch key under which a worker's batch carries its images to the device stage
 PENDING_KEY = "_pending_images"

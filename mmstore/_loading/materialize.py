@@ -12,7 +12,7 @@ by that hash, so no cache ever serves pixels of other bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -25,18 +25,15 @@ from mmstore._exceptions import (
     MediaNotFoundError,
     MmstoreError,
 )
-from mmstore._families import takes_tensors
+from mmstore._families import Family, takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
 from mmstore._format.models import ImageRef
 from mmstore._loading.cache import ByteLRU, WindowRetention
 from mmstore._loading.node_cache import NodeCache, fits, processor_digest
 from mmstore._rows.check import RowWindow, Sample, family_checker
+from mmstore._rows.snapshot import Neighbours
+from mmstore._rows.store import Store
 from mmstore._tensors import cast_floats
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
-    from mmstore._rows.snapshot import Neighbours
-    from mmstore._rows.store import Store
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
 T = TypeVar("T")

@@ -11,16 +11,14 @@ does not follow its predecessor by 1 starts a new sequence), for sdpa and eager 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mmstore._families import Family
 from mmstore._loading.collate import dummy, model_input_names, token_types
 from mmstore._loading.device import collate_images
 from mmstore._loading.materialize import Materialized
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
 
 FILLER_ID = "<filler>"
 

@@ -14,7 +14,7 @@ stage).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,10 +27,7 @@ from mmstore._planning.pack import RankPlan, budget_for, epoch_order, plan_epoch
 from mmstore._rows.check import RowWindow
 from mmstore._rows.files import open_rollout_file
 from mmstore._rows.lengths import RowMeta, read_row_meta
-from mmstore._rows.snapshot import read_units
-
-if TYPE_CHECKING:
-    from mmstore._rows.snapshot import WorkUnit
+from mmstore._rows.snapshot import WorkUnit, read_units
 
 # Row groups a worker keeps decoded: a step's rows come from a couple of shuffle windows.
 UNIT_CACHE = 16

@@ -25,12 +25,11 @@ import pyarrow as pa
 
 from mmstore._exceptions import InvalidArgumentError
 from mmstore._format.media import decode_rgb
+from mmstore._rows.store import Store
 from mmstore._storage.backends import LocalBackend
 
 if TYPE_CHECKING:
     from PIL import Image
-
-    from mmstore._rows.store import Store
 
 DEFAULT_PREFETCH_REQUESTS = 16
 DEFAULT_PREFETCH_BYTES = 64 * 2**20

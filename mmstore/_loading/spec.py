@@ -20,20 +20,18 @@ import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mmstore._families import Family
 from mmstore._loading.device import DeferredMaterializer
 from mmstore._loading.materialize import Materialized, Materializer, MissingPolicy
 from mmstore._loading.node_cache import NodeCache
 from mmstore._loading.prefetch import Prefetcher, prefetcher_for
 from mmstore._planning.order import EpochPlan, block_permutation
 from mmstore._rows.snapshot import Snapshot, read_units
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
-    from mmstore._rows.store import Store
+from mmstore._rows.store import Store
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,8 +197,7 @@ class MaterializerSource:
         def processed(h: str) -> bool:
             if (h, fp) in materializer.cache:
                 return True
-            key = node.key(h, fp, *materializer._node_key) if node else ""
-            return node is not None and os.path.exists(os.path.join(node.directory, key))
+            return node is not None and node.key(h, fp, *materializer._node_key) in node
 
         prefetcher.feed_rows(rows, skip=processed)
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
 from mmstore._exceptions import InvalidArgumentError, MmstoreError
-
-if TYPE_CHECKING:
-    from mmstore._loading.buffers import BatchBuffers
+from mmstore._loading.buffers import BatchBuffers
 
 RAISED = "_raised"  # a worker's batch stream ended in this error
 # Tensors below this travel inside the pickle rather than each in shared memory of its own.

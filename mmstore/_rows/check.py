@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmstore._exceptions import InvalidRolloutError, MmstoreError
+from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, MmstoreError
 from mmstore._families import Family
 from mmstore._format.models import ImageRef
 from mmstore._format.schema import FILE_COLUMN, ROLLOUT_SCHEMA, ROW_COLUMNS
@@ -385,7 +385,6 @@ IMAGE_FIELDS = tuple(f.name for f in ROLLOUT_SCHEMA.field("images").type.value_t
 
 def family_checker(adapter: Family) -> FamilyOf:
     """The loader's lookup: every ref must be laid out by the loader's own processor."""
-    from mmstore._exceptions import LayoutMismatchError
 
     def family_of(fingerprint: str, family: str) -> Family:
         if fingerprint != adapter.fingerprint:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from stat import S_ISREG
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,10 +31,8 @@ from mmstore._exceptions import (
 )
 from mmstore._format.schema import PARTITION_FIELDS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
-
-if TYPE_CHECKING:
-    from mmstore._storage.backends import FileStat
-    from mmstore._storage.store import Storage
+from mmstore._storage.backends import FileStat
+from mmstore._storage.store import Storage
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 

@@ -20,12 +20,11 @@ from mmstore._exceptions import CorruptFileError, InvalidRolloutError
 from mmstore._format.schema import decode_num_tokens
 from mmstore._rows.files import image_leaf, open_rollout_file
 from mmstore._rows.invariants import truncation_point
+from mmstore._rows.snapshot import Snapshot
+from mmstore._storage.store import Storage
 
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
-
-    from mmstore._rows.snapshot import Snapshot
-    from mmstore._storage.store import Storage
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ better served by :func:`mmstore.debug.scan` or any Parquet engine.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,9 +15,7 @@ from mmstore._exceptions import CorruptFileError, NoMatchError
 from mmstore._format.models import Rollout, released
 from mmstore._format.schema import ROLLOUT_SCHEMA, check_schema_version
 from mmstore._rows.files import open_rollout_file, select_files
-
-if TYPE_CHECKING:
-    from mmstore._storage.store import Storage
+from mmstore._storage.store import Storage
 
 
 def read_rollouts(

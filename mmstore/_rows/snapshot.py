@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,10 +27,7 @@ from mmstore._rows.files import (
     select_files,
 )
 from mmstore._storage.backends import LocalBackend
-from mmstore._storage.store import ROLLOUTS
-
-if TYPE_CHECKING:
-    from mmstore._storage.store import Storage
+from mmstore._storage.store import ROLLOUTS, Storage
 
 
 @dataclass(frozen=True)

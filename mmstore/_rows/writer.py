@@ -13,7 +13,7 @@ import re
 import threading
 import uuid
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from mmstore._exceptions import InvalidArgumentError, InvalidRolloutError
 from mmstore._families import (
+    Family,
     Layout,
     family_for_layout,
     known_layouts,
@@ -31,10 +32,7 @@ from mmstore._format.models import LIST_DTYPES, Rollout, list_array, released
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.invariants import check_rollout
 from mmstore._rows.snapshot import run_layouts
-
-if TYPE_CHECKING:
-    from mmstore._families import Family
-    from mmstore._storage.store import Storage
+from mmstore._storage.store import Storage
 
 # Rows are a few KB to a few hundred KB; 128 rows keep row groups (the unit of work the
 # loader shards) fine-grained while pages stay large enough for zstd.

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mmstore._exceptions import NotAStoreError, SchemaVersionError
 from mmstore._format.media import HASH_ALGORITHM
-from mmstore._storage.backends import NotAFileError
-
-if TYPE_CHECKING:
-    from mmstore._storage.backends import Backend
+from mmstore._storage.backends import Backend, NotAFileError
 
 FORMAT_VERSION = 1
 MANIFEST = "mmstore.json"

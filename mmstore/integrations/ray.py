@@ -35,16 +35,17 @@ import numpy as np
 import pyarrow as pa
 
 from mmstore._exceptions import InvalidArgumentError, MmstoreError
+from mmstore._families import adapter_for
 from mmstore._format.schema import FILE_COLUMN, ROW_COLUMNS
 from mmstore._rows.files import conform
 from mmstore._rows.snapshot import take_snapshot
+from mmstore._rows.store import Store
 
 if TYPE_CHECKING:
     import ray.data
     import torch
 
-    from mmstore._loading.dataset import RolloutLoader
-    from mmstore._rows.store import Store
+    from mmstore._loading.dataset import RolloutLoader  # torch: only for type checks
 
 __all__ = ["iter_batches", "read_rollouts"]
 
@@ -76,7 +77,6 @@ class _Materialize:
     def __init__(self, store: Store, image_processor: Any, dtype: str, missing: str) -> None:
         import torch
 
-        from mmstore._families import adapter_for
         from mmstore._loading.materialize import Materializer
         from mmstore._loading.stack import batch_images
 

@@ -1,0 +1,821 @@
+"""The rollouts table: ``ROOT/rollouts/`` as a Delta Lake table (format v2's commit log).
+
+mmstore writes its own Parquet files (footer keys, page checksums, row checks as in v1) at
+``rollouts/run_id=<run>/step=<step>/part-<writer>-<seq>.parquet``; a file is committed when a
+Delta transaction adds it (path, partition values ``run_id`` string and ``step`` int32, size,
+row count in the ``numRecords`` stat). The files keep no ``run_id``/``step`` columns: Delta
+readers (``deltalake``, polars ``scan_delta``/``read_delta``, Ray, Spark) take them from the
+log, typed. What this module gives, all read from the log (``_delta_log/``, its checkpoints)
+and never from a listing of ``rollouts/``:
+
+- :meth:`RolloutTable.commit`: one transaction adding files, optionally exactly once per
+  ``(producer, seq)`` (a Delta application transaction, ``txn``: app id = producer,
+  version = seq); a retry of a committed pair commits nothing and says so.
+- :meth:`RolloutTable.snapshot`: the files of one version (the latest by default).
+- :meth:`RolloutTable.entries_after`: what each commit after a version added and removed,
+  read from ``_delta_log/<v>.json`` directly (delta-rs has no API for one entry).
+- :meth:`RolloutTable.remove_run`: a Delta remove of a run's files (metadata only; the
+  bytes stay until gc decides).
+
+Everything returned is plain data (strings, ints, tuples of frozen dataclasses) that pickles
+into DataLoader workers.
+
+**Never call delta-rs in a forked child.** Its tokio runtime is created by the first call in
+a process; a fork of that process that calls delta-rs again panics (``PanicException``, a
+``BaseException``). So the parent plans (opens versions, lists files) and workers read the
+Parquet files by path. Every delta-rs call here first checks that the runtime, if this
+module started it, belongs to the current process, and raises :class:`TableForkError`
+instead of panicking. :meth:`RolloutTable.entries_after` and :meth:`RolloutTable.log_entry`
+read the log's JSON through the store's backend, without delta-rs: safe anywhere.
+
+Commits on S3 use conditional put (``If-None-Match`` on the log entry's key; no lock service).
+Versions are kept: expired-log cleanup is off, so every version stays readable until gc
+(format v2's lifecycle) decides otherwise. A checkpoint every :data:`CHECKPOINT_INTERVAL`
+versions bounds what opening a version reads: one checkpoint (every live file's add action)
+plus fewer than that many JSON entries. That is the log's own size, never a listing of
+``rollouts/``; but delta-rs 1.6 pays it on every commit too (it replays the log from the
+checkpoint to update the table before the commit and again after it), so a commit's cost
+grows with the number of live files (about 80 ms at 10,000 files locally).
+
+Some delta-rs calls (``get_add_actions``, ``is_deltatable``) hold the GIL while they wait
+on storage: other Python threads of the process stall meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
+
+import pyarrow as pa
+
+from mmstore._exceptions import (
+    InvalidArgumentError,
+    SchemaVersionError,
+    TableConflictError,
+    TableError,
+    TableForkError,
+    TableNotFoundError,
+    TableVersionError,
+)
+from mmstore._format.schema import ROLLOUT_SCHEMA
+from mmstore._storage.backends import LocalBackend, S3Backend
+from mmstore._storage.store import ROLLOUTS, Storage
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+PARTITION_COLUMNS = ["run_id", "step"]
+# The table's schema: the row schema plus the partition columns, which live in the log
+# (add actions' partitionValues), not in the files. Delta takes nested lists and structs as
+# they are; ``metadata`` (a JSON string) is a plain string column.
+TABLE_SCHEMA = pa.schema(
+    [
+        *ROLLOUT_SCHEMA,
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+    ]
+)
+# A checkpoint (one Parquet file of every live add action) every N versions. delta-rs 1.6
+# replays the log from the newest checkpoint on every open, every update before a commit and
+# every commit's post-commit snapshot, reading each JSON entry after it (twice); so N bounds
+# what each costs beyond reading the checkpoint: locally ~0.6 ms an entry, on S3 a round trip
+# for every few. Writing one costs about one open (50 ms at 10,000 files locally), and they
+# accumulate (no log cleanup): N = 20 keeps both small (see benchmarks/bench_table.py).
+CHECKPOINT_INTERVAL = 20
+# Whole attempts of one commit (each after delta-rs's own retries at later versions) before a
+# commit that keeps losing to conflicting commits gives up with TableConflictError.
+COMMIT_ATTEMPTS = 8
+# delta-rs's retries within one attempt: an append that loses a version to another append
+# retries at the next one after checking that the winner does not conflict.
+DELTA_COMMIT_RETRIES = 100
+# A random id in each commit's commitInfo: how a committer finds the version it made
+# (delta-rs returns nothing) and tells its own commit from another's after a lost reply.
+COMMIT_ID_KEY = "mmstore.commitId"
+INT32_MAX = 2**31 - 1
+# Partition values that name a hive directory without escaping (as the writer's
+# check_partition allows), so a Delta path is the plain file path.
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_LOG_DIR = "_delta_log"
+_T = TypeVar("_T")
+
+
+# -- plain results -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """One committed Parquet file, as a version lists it.
+
+    ``path`` is store-relative (``rollouts/run_id=r1/step=3/part-….parquet``): what the
+    store's backend reads. ``rows`` is the ``numRecords`` stat (None only for a file some
+    other tool added without stats).
+    """
+
+    path: str
+    run_id: str
+    step: int
+    size: int
+    rows: int | None
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """The files of one table version, sorted by path."""
+
+    version: int
+    files: tuple[TableFile, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows or 0 for f in self.files)
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What :meth:`RolloutTable.commit` did.
+
+    ``version`` is the table version this call made, or None when it committed nothing:
+    ``duplicate`` then says that ``(producer, seq)`` was committed before (by an earlier
+    call, another process, or a retry racing this one); ``producer_seq`` is the producer's
+    latest committed seq as the log records it.
+    """
+
+    version: int | None
+    duplicate: bool = False
+    producer: str | None = None
+    seq: int | None = None
+    producer_seq: int | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.version is not None
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :meth:`RolloutTable.remove_run` removed, and the version that removed it
+    (None when there was nothing to remove)."""
+
+    version: int | None
+    files: tuple[TableFile, ...]
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One commit of the log: the files it added and removed, in the order it lists them,
+    and the ``(producer, seq)`` pairs it recorded."""
+
+    version: int
+    added: tuple[TableFile, ...]
+    removed: tuple[str, ...]  # store-relative paths
+    producers: tuple[tuple[str, int], ...]
+    operation: str | None
+    timestamp_ms: int | None
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+class RolloutTable:
+    """The Delta table at ``<store root>/rollouts``.
+
+    Holds one open ``DeltaTable`` for the latest version, brought up to date before each use
+    (a listing of the log after its version; when there are new entries, delta-rs replays the
+    log from the newest checkpoint); other versions are opened on demand. Safe to share
+    between threads; pickles without its delta-rs state (see the module docstring for why a
+    DataLoader worker must not use it anyway).
+    """
+
+    def __init__(self, storage: Storage, *, checkpoint_interval: int = CHECKPOINT_INTERVAL):
+        if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int):
+            raise InvalidArgumentError(
+                f"checkpoint_interval must be an int, got {checkpoint_interval!r}"
+            )
+        if checkpoint_interval < 1:
+            raise InvalidArgumentError(
+                f"checkpoint_interval must be positive, got {checkpoint_interval}"
+            )
+        self.storage = storage
+        self.uri, self.storage_options = table_location(storage)
+        self.checkpoint_interval = checkpoint_interval
+        self._latest: DeltaTable | None = None
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_latest"] = None
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    # -- creating and opening ------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """Whether a Delta table exists at the store's ``rollouts/`` (opens it if so)."""
+        # Not DeltaTable.is_deltatable: it holds the GIL while it waits on storage, which
+        # stalls every other Python thread of the process (an in-process S3 proxy: forever).
+        try:
+            with self._lock:
+                self._table()
+        except TableNotFoundError:
+            return False
+        return True
+
+    def create(self) -> int:
+        """Create the table if there is none; return its latest version.
+
+        Safe to race: of concurrent creators one writes version 0, the others find it. An
+        existing table must be partitioned by ``run_id`` and ``step`` (else
+        :class:`SchemaVersionError`).
+        """
+        from deltalake import CommitProperties, DeltaTable, Schema
+        from deltalake.exceptions import DeltaError
+
+        _check_runtime(self.uri)
+        with self._lock:
+            if not self.exists():
+                try:
+                    DeltaTable.create(
+                        self.uri,
+                        Schema.from_arrow(TABLE_SCHEMA),
+                        mode="ignore",
+                        partition_by=PARTITION_COLUMNS,
+                        name="rollouts",
+                        description="mmstore rollouts (format v2)",
+                        configuration=self._configuration(),
+                        storage_options=self.storage_options,
+                        # No retry: delta-rs would retry a creation that lost the race for
+                        # version 0 at version 1, a second protocol and metadata (a new
+                        # table id; a schema added since, reverted).
+                        commit_properties=CommitProperties(max_commit_retries=0),
+                    )
+                except DeltaError:
+                    # Lost the race for version 0: fine, the winner's table is there.
+                    if not self.exists():
+                        raise
+            return self.latest_version()
+
+    def _configuration(self) -> dict[str, str | None]:
+        return {
+            "delta.checkpointInterval": str(self.checkpoint_interval),
+            # Versions are the store's snapshots (a saved loader state, a pin): their log
+            # entries stay until gc decides, not 30 days by delta-rs's default.
+            "delta.enableExpiredLogCleanup": "false",
+        }
+
+    def _table(self) -> DeltaTable:
+        """The latest version's DeltaTable, brought up to date (call under the lock)."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError as DeltaTableNotFound
+
+        _check_runtime(self.uri)
+        try:
+            if self._latest is None:
+                table = DeltaTable(self.uri, storage_options=self.storage_options)
+                _check_partitioning(table, self.uri)
+                self._latest = table
+            else:
+                self._latest.update_incremental()
+        except DeltaTableNotFound:
+            raise TableNotFoundError(
+                "no rollouts table (no Delta log): create it first", table=self.uri
+            ) from None
+        return self._latest
+
+    # -- reading versions ----------------------------------------------------------------
+
+    def latest_version(self) -> int:
+        """The newest committed version (one listing of the log when nothing is new)."""
+        with self._lock:
+            return int(self._table().version())
+
+    def snapshot(self, version: int | None = None) -> TableSnapshot:
+        """The files of ``version`` (the latest if None), from the log and its checkpoint.
+
+        Raises :class:`TableVersionError` for a version the table does not have.
+        """
+        from deltalake import DeltaTable
+        from deltalake.exceptions import DeltaError
+
+        if version is None:
+            with self._lock:
+                table = self._table()
+                return TableSnapshot(int(table.version()), _files(table))
+        _check_version_argument(version)
+        _check_runtime(self.uri)
+        try:
+            table = DeltaTable(self.uri, version=version, storage_options=self.storage_options)
+        except DeltaError:
+            latest = self.latest_version()  # also raises TableNotFoundError if none
+            raise TableVersionError(
+                f"the rollouts table has no version {version} (latest is {latest})"
+                if version > latest
+                else f"the rollouts table's version {version} can no longer be read "
+                "(its log entries are gone)",
+                table=self.uri,
+                version=version,
+            ) from None
+        return TableSnapshot(version, _files(table))
+
+    def producer_seq(self, producer: str) -> int | None:
+        """The latest seq committed by ``producer`` (None if it never committed)."""
+        _check_producer(producer, 0)
+        with self._lock:
+            seq = self._table().transaction_version(producer)
+        return None if seq is None else int(seq)
+
+    # -- committing ----------------------------------------------------------------------
+
+    def commit(
+        self,
+        files: Sequence[TableFile],
+        *,
+        producer: str | None = None,
+        seq: int | None = None,
+    ) -> CommitResult:
+        """Add ``files`` (already written in place) to the table in one transaction.
+
+        With ``producer`` and ``seq`` the commit happens at most once per pair: it records
+        ``(producer, seq)`` in the same transaction, and a pair whose seq is not above the
+        producer's latest committed seq commits nothing (``CommitResult.duplicate``). A
+        producer's seqs must therefore grow and be committed one at a time, as a retrying
+        producer does. Two commits of the same pair racing each other commit once: Delta's
+        conflict check refuses the second, whose retry then finds the pair committed.
+
+        Appends that race other appends are retried at later versions; a commit that keeps
+        losing to conflicting commits raises :class:`TableConflictError`.
+        """
+        if isinstance(files, TableFile) or not files:
+            raise InvalidArgumentError("commit needs a non-empty sequence of TableFile")
+        if (producer is None) != (seq is None):
+            raise InvalidArgumentError("producer and seq go together: give both or neither")
+        transaction = None
+        if producer is not None:
+            _check_producer(producer, seq)
+            transaction = (producer, int(seq or 0))
+        for file in files:
+            _check_file(file)
+        actions = [_add_action(f) for f in files]
+        commit_id = uuid.uuid4().hex
+        first_read: int | None = None
+
+        def attempt(table: DeltaTable, retry: int) -> CommitResult:
+            nonlocal first_read
+            read = int(table.version())
+            if first_read is None:
+                first_read = read
+            elif (mine := self._find_commit(commit_id, first_read)) is not None:
+                # An earlier attempt of this call did commit; only its reply was lost.
+                return CommitResult(mine, False, producer, seq, seq)
+            if transaction is not None:
+                done = table.transaction_version(transaction[0])
+                if done is not None and transaction[1] <= done:
+                    return CommitResult(None, True, producer, seq, int(done))
+            self._transact(table, actions, commit_id, transaction)
+            return CommitResult(self._committed_at(commit_id, read), False, producer, seq, seq)
+
+        what = f"commit of {len(files)} file(s)"
+        if producer is not None:
+            what += f" for producer {producer!r} seq {seq}"
+        return self._retrying(what, attempt)
+
+    def remove_run(self, run_id: str) -> Removal:
+        """Remove every file of ``run_id`` from the latest version (Delta remove actions;
+        no file is rewritten or deleted). Files a writer commits meanwhile stay."""
+        if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+            raise InvalidArgumentError(f"not a run id: {run_id!r}", table=self.uri)
+        return self.remove_files(lambda f: f.run_id == run_id)
+
+    def remove_files(self, select: Callable[[TableFile], bool]) -> Removal:
+        """Remove the latest version's files for which ``select`` is true, in one
+        transaction (chosen again from the newer version if a conflicting commit wins)."""
+
+        def attempt(table: DeltaTable, retry: int) -> Removal:
+            chosen = tuple(f for f in _files(table) if select(f))
+            if not chosen:
+                return Removal(None, ())
+            read, commit_id = int(table.version()), uuid.uuid4().hex
+            self._transact(table, [_remove_action(f) for f in chosen], commit_id, None)
+            return Removal(self._committed_at(commit_id, read), chosen)
+
+        return self._retrying("removal", attempt)
+
+    def add_columns(self, fields: Iterable[pa.Field]) -> int | None:
+        """Add the nullable columns of ``fields`` the table lacks (one metadata commit).
+
+        Files committed before read them as null; returns the version that added them, or
+        None when the table had them all. Add a column before committing a file that has
+        it: on append, delta-rs keeps the table's schema and ignores the file's.
+        """
+        from deltalake import Schema
+        from deltalake.exceptions import CommitFailedError, DeltaError
+        from deltalake.transaction import CommitProperties
+
+        fields = list(fields)
+        for field in fields:
+            if not field.nullable:
+                raise InvalidArgumentError(
+                    f"column {field.name!r} must be nullable: files committed before it "
+                    "have no values",
+                    table=self.uri,
+                )
+
+        def attempt(table: DeltaTable, retry: int) -> int | None:
+            names = set(pa.schema(table.schema().to_arrow()).names)
+            missing = [f for f in fields if f.name not in names]
+            if not missing:
+                return None
+            read, commit_id = int(table.version()), uuid.uuid4().hex
+            try:
+                table.alter.add_columns(
+                    list(Schema.from_arrow(pa.schema(missing)).fields),
+                    # Retried here, from the newer version, never by delta-rs from this one.
+                    commit_properties=CommitProperties(
+                        custom_metadata={COMMIT_ID_KEY: commit_id}, max_commit_retries=0
+                    ),
+                )
+            except CommitFailedError:
+                raise  # retried from the newer version
+            except DeltaError:
+                # Another process may have added the same columns meanwhile: then done.
+                names = set(pa.schema(self._table().schema().to_arrow()).names)
+                if all(f.name in names for f in fields):
+                    return None
+                raise
+            return self._committed_at(commit_id, read)
+
+        return self._retrying("adding columns", attempt)
+
+    def _retrying(self, what: str, attempt: Callable[[DeltaTable, int], _T]) -> _T:
+        """``attempt(latest table, retry number)`` until it returns, retrying (after a short
+        random pause) when a conflicting commit wins; :class:`TableConflictError` after
+        :data:`COMMIT_ATTEMPTS` losses."""
+        from deltalake.exceptions import CommitFailedError
+
+        last: Exception | None = None
+        for retry in range(COMMIT_ATTEMPTS):
+            with self._lock:
+                try:
+                    return attempt(self._table(), retry)
+                except CommitFailedError as exc:
+                    last = exc
+            time.sleep(random.uniform(0, 0.005 * (retry + 1)))
+        raise TableConflictError(
+            f"{what} kept conflicting with other commits ({COMMIT_ATTEMPTS} attempts): {last}",
+            table=self.uri,
+        )
+
+    def _transact(
+        self,
+        table: DeltaTable,
+        actions: list[Any],
+        commit_id: str,
+        transaction: tuple[str, int] | None,
+    ) -> None:
+        from deltalake import Transaction
+        from deltalake.transaction import CommitProperties, PostCommitHookProperties
+
+        _check_runtime(self.uri)
+        transactions = None
+        if transaction is not None:
+            transactions = [Transaction(*transaction, int(time.time() * 1000))]
+        table.create_write_transaction(
+            actions,
+            mode="append",
+            # The table's own schema: on append delta-rs ignores any other (see add_columns).
+            schema=table.schema(),
+            partition_by=PARTITION_COLUMNS,
+            commit_properties=CommitProperties(
+                custom_metadata={COMMIT_ID_KEY: commit_id},
+                max_commit_retries=DELTA_COMMIT_RETRIES,
+                app_transactions=transactions,
+            ),
+            post_commithook_properties=PostCommitHookProperties(
+                create_checkpoint=True, cleanup_expired_logs=False
+            ),
+        )
+
+    def _committed_at(self, commit_id: str, read: int) -> int:
+        """The version a commit that just succeeded made (read from the log)."""
+        version = self._find_commit(commit_id, read)
+        if version is None:
+            raise TableError(
+                f"a commit succeeded but no log entry after version {read} carries its id",
+                table=self.uri,
+                commit_id=commit_id,
+            )
+        return version
+
+    def _find_commit(self, commit_id: str, after: int) -> int | None:
+        """The version after ``after`` whose commitInfo carries ``commit_id`` (None if none
+        does): usually the very next entry."""
+        version = after + 1
+        while (text := self._read_log_json(version)) is not None:
+            if commit_id in text and _commit_info(text).get(COMMIT_ID_KEY) == commit_id:
+                return version
+            version += 1
+        return None
+
+    def checkpoint(self) -> int:
+        """Write a checkpoint of the latest version now; return that version."""
+        with self._lock:
+            table = self._table()
+            table.create_checkpoint()
+            return int(table.version())
+
+    # -- following the log ---------------------------------------------------------------
+
+    def log_entry(self, version: int) -> LogEntry | None:
+        """The commit at ``version`` as its JSON log entry lists it; None if no such version
+        is committed yet. No delta-rs call: safe in any process."""
+        _check_version_argument(version)
+        text = self._read_log_json(version)
+        if text is None:
+            self._check_not_cleaned(version)
+            return None
+        return _parse_entry(version, text)
+
+    def entries_after(self, version: int, *, limit: int | None = None) -> list[LogEntry]:
+        """The commits after ``version`` (at most ``limit``), oldest first: one read of each
+        new log entry and one failed read at the end, whatever the table's size."""
+        if version != -1:
+            _check_version_argument(version)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise InvalidArgumentError(f"limit must be an int or None, got {limit!r}")
+        entries: list[LogEntry] = []
+        while limit is None or len(entries) < limit:
+            entry = self.log_entry(version + 1 + len(entries))
+            if entry is None:
+                break
+            entries.append(entry)
+        return entries
+
+    def _read_log_json(self, version: int) -> str | None:
+        try:
+            data = self.storage.backend.read(f"{ROLLOUTS}/{_LOG_DIR}/{version:020d}.json")
+        except FileNotFoundError:
+            return None
+        return data.decode("utf-8")
+
+    def _check_not_cleaned(self, version: int) -> None:
+        """A missing entry at or below the last checkpoint was committed and cleaned up
+        (entries after the last checkpoint are never cleaned): say so instead of "none yet"."""
+        try:
+            raw = self.storage.backend.read(f"{ROLLOUTS}/{_LOG_DIR}/_last_checkpoint")
+        except FileNotFoundError:
+            return
+        checkpointed = int(json.loads(raw)["version"])
+        if version <= checkpointed:
+            raise TableVersionError(
+                f"the log entry of version {version} is gone (cleaned up below the checkpoint "
+                f"at {checkpointed})",
+                table=self.uri,
+                version=version,
+            )
+
+
+# -- delta-rs access ---------------------------------------------------------------------
+
+# The process whose tokio runtime delta-rs created through this module (None: none yet).
+_RUNTIME_PID: int | None = None
+
+
+def _check_runtime(uri: str) -> None:
+    """Refuse a delta-rs call in a forked child of a process that already used delta-rs:
+    the call would panic (tokio's runtime does not survive a fork)."""
+    global _RUNTIME_PID
+    pid = os.getpid()
+    if _RUNTIME_PID is None:
+        _RUNTIME_PID = pid
+    elif pid != _RUNTIME_PID:
+        raise TableForkError(
+            f"delta-rs was started in process {_RUNTIME_PID} and cannot run in its forked "
+            f"child {pid}: plan in the parent and read the Parquet files by path in workers "
+            "(or start workers with 'spawn')",
+            table=uri,
+        )
+
+
+def table_location(storage: Storage) -> tuple[str, dict[str, str] | None]:
+    """The table's URI for delta-rs and its storage options (None for a local store)."""
+    backend = storage.backend
+    if isinstance(backend, S3Backend):
+        return f"s3://{backend.abspath(ROLLOUTS)}", delta_s3_options(storage.s3_options)
+    if isinstance(backend, LocalBackend):
+        return backend.abspath(ROLLOUTS), None
+    raise InvalidArgumentError(
+        f"no Delta table on a {type(backend).__name__} store", root=storage.root
+    )
+
+
+def delta_s3_options(options: Mapping[str, Any] | None) -> dict[str, str]:
+    """The store's ``s3_options`` (``pyarrow.fs.S3FileSystem`` keywords) as delta-rs
+    (object_store) storage options, with the same environment fallbacks as
+    :func:`mmstore._storage.backends.s3_filesystem`; commits use conditional put."""
+    opts = dict(options or {})
+    out = {"conditional_put": "etag"}
+    endpoint, scheme = opts.get("endpoint_override"), opts.get("scheme")
+    if not endpoint:
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env:
+            parsed = urlparse(env)
+            endpoint, scheme = parsed.netloc or parsed.path, scheme or parsed.scheme
+    if endpoint:
+        url = str(endpoint) if "://" in str(endpoint) else f"{scheme or 'https'}://{endpoint}"
+        out["AWS_ENDPOINT_URL"] = url
+        if url.startswith("http://"):
+            out["AWS_ALLOW_HTTP"] = "true"
+    region = (
+        opts.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    if region:
+        out["AWS_REGION"] = str(region)
+    for key, name in (
+        ("access_key", "AWS_ACCESS_KEY_ID"),
+        ("secret_key", "AWS_SECRET_ACCESS_KEY"),
+        ("session_token", "AWS_SESSION_TOKEN"),
+    ):
+        if opts.get(key):
+            out[name] = str(opts[key])
+    return out
+
+
+def _check_partitioning(table: DeltaTable, uri: str) -> None:
+    partitions = list(table.metadata().partition_columns)
+    if partitions != PARTITION_COLUMNS:
+        raise SchemaVersionError(
+            f"the rollouts table is partitioned by {partitions}, not {PARTITION_COLUMNS}",
+            table=uri,
+        )
+
+
+def _files(table: DeltaTable) -> tuple[TableFile, ...]:
+    """A DeltaTable's live files (its add actions), sorted by path."""
+    actions = pa.table(table.get_add_actions(flatten=True))
+    columns = [
+        actions.column(name).to_pylist()
+        for name in ("path", "partition.run_id", "partition.step", "size_bytes", "num_records")
+    ]
+    files = [
+        TableFile(f"{ROLLOUTS}/{path}", run_id, int(step), int(size), rows)
+        for path, run_id, step, size, rows in zip(*columns, strict=True)
+    ]
+    return tuple(sorted(files, key=lambda f: f.path))
+
+
+def _add_action(file: TableFile) -> Any:
+    from deltalake.transaction import AddAction
+
+    return AddAction(
+        path=_table_path(file.path),
+        size=file.size,
+        partition_values={"run_id": file.run_id, "step": str(file.step)},
+        modification_time=int(time.time() * 1000),
+        data_change=True,
+        stats=json.dumps({"numRecords": file.rows}),
+    )
+
+
+def _remove_action(file: TableFile) -> Any:
+    from deltalake.transaction import RemoveAction
+
+    return RemoveAction(
+        path=_table_path(file.path),
+        data_change=True,
+        deletion_timestamp=int(time.time() * 1000),
+        size=file.size,
+        partition_values={"run_id": file.run_id, "step": str(file.step)},
+    )
+
+
+def _table_path(path: str) -> str:
+    return path[len(ROLLOUTS) + 1 :]
+
+
+# -- the log's JSON ----------------------------------------------------------------------
+
+
+def _actions(text: str) -> Iterable[dict[str, Any]]:
+    for line in text.splitlines():
+        if line.strip():
+            yield json.loads(line)
+
+
+def _commit_info(text: str) -> dict[str, Any]:
+    for action in _actions(text):
+        if "commitInfo" in action:
+            return dict(action["commitInfo"])
+    return {}
+
+
+def _parse_entry(version: int, text: str) -> LogEntry:
+    added: list[TableFile] = []
+    removed: list[str] = []
+    producers: list[tuple[str, int]] = []
+    info: dict[str, Any] = {}
+    for action in _actions(text):
+        if "add" in action:
+            added.append(_logged_file(action["add"]))
+        elif "remove" in action:
+            removed.append(f"{ROLLOUTS}/{action['remove']['path']}")
+        elif "txn" in action:
+            producers.append((action["txn"]["appId"], int(action["txn"]["version"])))
+        elif "commitInfo" in action:
+            info = action["commitInfo"]
+    return LogEntry(
+        version,
+        tuple(added),
+        tuple(removed),
+        tuple(producers),
+        info.get("operation"),
+        info.get("timestamp"),
+    )
+
+
+def _logged_file(add: dict[str, Any]) -> TableFile:
+    values = add["partitionValues"]
+    stats = json.loads(add["stats"]) if add.get("stats") else {}
+    rows = stats.get("numRecords")
+    return TableFile(
+        f"{ROLLOUTS}/{add['path']}",
+        str(values["run_id"]),
+        int(values["step"]),
+        int(add["size"]),
+        None if rows is None else int(rows),
+    )
+
+
+# -- argument checks ---------------------------------------------------------------------
+
+
+def _check_version_argument(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgumentError(f"a table version is an int >= 0, got {version!r}")
+
+
+def _check_producer(producer: Any, seq: Any) -> None:
+    if not isinstance(producer, str) or not producer or len(producer) > 256:
+        raise InvalidArgumentError(f"producer must be a non-empty string, got {producer!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise InvalidArgumentError(f"seq must be an int >= 0, got {seq!r}", producer=producer)
+
+
+def _check_file(file: TableFile) -> None:
+    """A file the table can list: under its own partition's directory, with sane numbers."""
+    if not isinstance(file, TableFile):
+        raise InvalidArgumentError(f"expected a TableFile, got {type(file).__name__}")
+    if not isinstance(file.run_id, str) or not _RUN_ID.match(file.run_id):
+        raise InvalidArgumentError(f"not a run id: {file.run_id!r}", file=file.path)
+    if isinstance(file.step, bool) or not isinstance(file.step, int):
+        raise InvalidArgumentError(f"step must be an int, got {file.step!r}", file=file.path)
+    if not 0 <= file.step <= INT32_MAX:
+        raise InvalidArgumentError(f"step {file.step} is not a non-negative int32", file=file.path)
+    prefix = f"{ROLLOUTS}/run_id={file.run_id}/step={file.step}/"
+    name = file.path[len(prefix) :] if isinstance(file.path, str) else ""
+    if (
+        not file.path.startswith(prefix)
+        or not name.endswith(".parquet")
+        or "/" in name
+        or name.startswith((".", "_"))
+        or "%" in name
+    ):
+        raise InvalidArgumentError(
+            f"a committed file lies directly under {prefix} and ends in .parquet",
+            file=file.path,
+        )
+    for label, value in (("size", file.size), ("rows", file.rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(
+                f"{label} must be an int >= 0, got {value!r}", file=file.path
+            )
+
+
+__all__ = [
+    "CHECKPOINT_INTERVAL",
+    "PARTITION_COLUMNS",
+    "TABLE_SCHEMA",
+    "CommitResult",
+    "LogEntry",
+    "Removal",
+    "RolloutTable",
+    "TableError",
+    "TableFile",
+    "TableSnapshot",
+    "delta_s3_options",
+    "table_location",
+]
