@@ -35,6 +35,7 @@ from benchmarks._common import interleaved, timed
 from mmstore._format.media import content_hash, media_path
 from mmstore._format.schema import IMAGE_REF_TYPE, ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.files import referenced_hashes
+from mmstore._rows.table import TableFile
 from mmstore._rows.writer import DEFAULT_ROW_GROUP_SIZE, parquet_options
 
 FULL_REFS = 1_000_000
@@ -112,6 +113,9 @@ class SyntheticStore:
         path = self.store.backend.abspath(rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pq.write_table(table, path, row_group_size=DEFAULT_ROW_GROUP_SIZE, **parquet_options())
+        # Format 2: a file is committed when the rollouts table's log lists it.
+        size = os.path.getsize(path)
+        self.store.table.commit([TableFile(rel, run_id, step, size, table.num_rows)])
         self.files += 1
         self.refs += rows * IMAGES_PER_ROW
 

@@ -89,7 +89,7 @@ def plan_one_rank(lens: np.ndarray, images: np.ndarray) -> tuple[float, Any]:
         WorkUnit(f"f{i // 8}", i % 8, min(ROW_GROUP, len(lens) - lo), "r", 0)
         for i, lo in enumerate(range(0, len(lens), ROW_GROUP))
     )
-    snapshot = Snapshot(tuple(sorted({u.file for u in units})), units)
+    snapshot = Snapshot(tuple(sorted({u.file for u in units})), units, version=0)
     offsets = np.arange(0, len(lens) + ROW_GROUP, ROW_GROUP).clip(max=len(lens))
     block_start = np.zeros(len(lens), dtype=bool)
     block_start[::8] = True  # GRPO groups of 8

@@ -20,7 +20,6 @@ vLLM), the model scores them.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -124,13 +123,15 @@ def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Names
     """Generation ``run``: ``--steps-per-gen`` store steps of ``--prompts`` groups of ``-G``.
 
     A step already committed (by a run that was killed later) is kept, not written twice:
-    the policy and the seeds are the same, so it holds what this run would write."""
+    the policy and the seeds are the same, so it holds what this run would write. The
+    generation is the producer and the step its seq: the table commits each step once."""
     adapter = mmstore.adapter_for(processor)
+    done = store.table.producer_seq(run)  # the last step this generation committed
     for step in range(args.steps_per_gen):
-        if glob.glob(f"{store.root}/rollouts/run_id={run}/step={step}/*.parquet"):
+        if done is not None and step <= done:
             continue
         rng = random.Random(f"{run}/{step}")
-        with store.writer(run_id=run, step=step) as writer:
+        with store.writer(run_id=run, step=step, producer=run, seq=step) as writer:
             for p in range(args.prompts):
                 task = rng.randrange(10_000)
                 group = [play(rng, store, adapter, wrap, task) for _ in range(args.group_size)]
@@ -198,13 +199,15 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
 def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, trained) -> None:
     """Pin the pass's rows first, then save; then drop older pins and generations."""
     name = f"{PIN_PREFIX}{step}"
-    mmstore.pin_rows(store, name, runs=[f"gen-{gen}"])  # the rest of this pass reads these
+    # The rest of this pass reads these rows, of the table version the loader state names.
+    version = loader.state_dict()["table_version"]
+    mmstore.pin_rows(store, name, runs=[f"gen-{gen}"], version=version)
     save_checkpoint(path, dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen,
                                step=step, loader=loader.state_dict(), trained=trained))  # fmt: skip
     for old in mmstore.list_pins(store):
         if old.startswith(PIN_PREFIX) and old != name:
             mmstore.unpin(store, old)
-    if gen > 0 and glob.glob(f"{store.root}/rollouts/run_id=gen-{gen - 1}"):
+    if gen > 0 and any(f.run_id == f"gen-{gen - 1}" for f in store.files()):
         mmstore.release_run(store, f"gen-{gen - 1}", grace_seconds=0)  # no resume needs it
 
 

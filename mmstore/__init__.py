@@ -16,9 +16,12 @@ from mmstore._exceptions import (
     LayoutMismatchError,
     MediaError,
     MediaNotFoundError,
+    MediaPermissionError,
     MmstoreError,
+    NetworkError,
     NoMatchError,
     NotAStoreError,
+    PinnedRowsError,
     SampleTooLongError,
     SchemaVersionError,
     TableConflictError,
@@ -28,6 +31,8 @@ from mmstore._exceptions import (
     TableVersionError,
     UnsupportedProcessorError,
     UntrustedURIError,
+    UpgradeRequiredError,
+    VersionMismatchError,
     WireFormatError,
 )
 from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
@@ -37,6 +42,7 @@ from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
 from mmstore._lifecycle.pins import list_pins, pin, pin_rows, unpin
+from mmstore._lifecycle.upgrade import UpgradeReport, upgrade
 from mmstore._lifecycle.verify import Problem, VerifyReport, verify
 from mmstore._rows.invariants import check_rollout, truncate
 from mmstore._rows.store import Store
@@ -92,8 +98,10 @@ __all__ = [
     "SampleTooLongError",
     "MediaError",
     "MediaNotFoundError",
+    "MediaPermissionError",
     "MediaRef",
     "MmstoreError",
+    "NetworkError",
     "NotAStoreError",
     "Problem",
     "QwenVL",
@@ -112,6 +120,9 @@ __all__ = [
     "TableVersionError",
     "UnsupportedProcessorError",
     "UntrustedURIError",
+    "UpgradeRequiredError",
+    "VersionMismatchError",
+    "PinnedRowsError",
     "VerifyReport",
     "WireFormatError",
     "adapter_for",
@@ -129,6 +140,8 @@ __all__ = [
     "release_run",
     "truncate",
     "unpin",
+    "upgrade",
+    "UpgradeReport",
     "verify",
     "wire",
 ]

@@ -101,8 +101,7 @@ def main(
 
 def _replace_earlier_demo(store: Any) -> None:
     """A rerun into the same store starts from a clean demo run (its rows would repeat)."""
-    prefix = f"rollouts/run_id={DEMO_RUN}/"
-    if any(f.path.startswith(prefix) for f in store.rollout_files()):
+    if any(f.run_id == DEMO_RUN for f in store.files()):
         release_run(store, DEMO_RUN, grace_seconds=0)
         print(f"replaced the earlier demo run in {store.root}")
 

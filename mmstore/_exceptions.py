@@ -7,6 +7,7 @@
     │   └── SampleTooLongError                       longer than the packed loader's max_tokens
     ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
     ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
+    │   └── UpgradeRequiredError                     a format-1 store: run `mmstore upgrade ROOT`
     ├── WireFormatError            (ValueError)      a malformed wire-form image ref
     ├── UnsupportedProcessorError  (TypeError)       no family adapter for this image processor
     ├── ImageSizeError             (ValueError)      a size the family's layout cannot represent
@@ -21,12 +22,16 @@
     │   ├── TableNotFoundError     (FileNotFoundError) no Delta log under the store's rollouts/
     │   ├── TableVersionError      (LookupError)     a version the table does not have (any more)
     │   ├── TableConflictError     (RuntimeError)    a commit that kept losing to other commits
-    │   └── TableForkError         (RuntimeError)    delta-rs called in a forked child
+    │   ├── TableForkError         (RuntimeError)    delta-rs called in a forked child
+    │   └── VersionMismatchError   (RuntimeError)    ranks (or a state) name other versions
+    ├── PinnedRowsError            (RuntimeError)    a release of rows a pin holds
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
-    └── MediaError                                   media bytes cannot be served as requested
-        ├── MediaNotFoundError     (FileNotFoundError)
-        └── HashMismatchError      (ValueError)
+    ├── MediaError                                   media bytes cannot be served as requested
+    │   ├── MediaNotFoundError     (FileNotFoundError)
+    │   ├── HashMismatchError      (ValueError)
+    │   └── MediaPermissionError   (PermissionError) media this process may not read (EACCES)
+    └── NetworkError               (ConnectionError) storage unreachable or too slow; retryable
 
 Each error carries the context it was raised in (file, run, sample, image index) both in
 its message and as attributes, so a caller can act on it without parsing text. A caller that
@@ -43,6 +48,10 @@ E = TypeVar("E", bound="MmstoreError")
 
 class MmstoreError(Exception):
     """Base of every mmstore error. ``context`` holds where it happened."""
+
+    #: True where the same call may succeed if tried again (:class:`NetworkError`): the data
+    #: is fine, the way to it failed. A caller's retry loop reads this, not the message.
+    retryable = False
 
     def __init__(self, message: str, **context: Any) -> None:
         super().__init__()
@@ -93,6 +102,11 @@ class LayoutMismatchError(MmstoreError, ValueError):
 
 class SchemaVersionError(MmstoreError, ValueError):
     """A store manifest or Parquet file of a version this mmstore does not read."""
+
+
+class UpgradeRequiredError(SchemaVersionError):
+    """A store of format 1 (rollouts as a directory of files, no commit log): run
+    ``mmstore upgrade ROOT`` (or ``mmstore.upgrade(root)``) once, in place."""
 
 
 class WireFormatError(MmstoreError, ValueError):
@@ -179,3 +193,27 @@ class TableConflictError(TableError, RuntimeError):
 class TableForkError(TableError, RuntimeError):
     """delta-rs called in a forked child of a process that already used it (it would panic:
     its runtime does not survive a fork). Plan in the parent; workers read files by path."""
+
+
+class VersionMismatchError(TableError, RuntimeError):
+    """The ranks of a job (or a saved state and the other ranks) name different table
+    versions: they would plan different epochs. Raised on every rank, before any batch."""
+
+
+class PinnedRowsError(MmstoreError, RuntimeError):
+    """A release of rows that a pin holds (``pin_rows``): unpin it first, or pass
+    ``force=True`` (the pin then keeps its own copy of the rows and their media)."""
+
+
+class MediaPermissionError(MediaError, PermissionError):
+    """Media this process may not read (``EACCES``: file modes, an ACL, a mount's policy);
+    names the URI, and the file, run, step, sample and image where the loader met it."""
+
+
+class NetworkError(MmstoreError, ConnectionError):
+    """The storage could not be reached or did not answer in time (a connection refused or
+    reset, a timeout, throttling, a 5xx): nothing is known to be wrong with the data, so the
+    same read may succeed later (``retryable`` is True). Names what was read: the object's
+    ``location``, and the file, run and step, or the URI, sample and image."""
+
+    retryable = True

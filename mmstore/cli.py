@@ -25,6 +25,7 @@ from mmstore._exceptions import MmstoreError, NoMatchError, NotAStoreError
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import gc, release_run
 from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
+from mmstore._lifecycle.upgrade import upgrade
 from mmstore._lifecycle.verify import verify
 from mmstore._rows.store import Store
 from mmstore._storage.store import CREATE_REMEDY
@@ -255,7 +256,7 @@ def _export(args: argparse.Namespace) -> int:
     rows = debug.scan(dest).select(pl.len()).collect().item()
     result = {
         "dest": dest.root,
-        "rollout_files": len(dest.rollout_files()),
+        "rollout_files": len(dest.files()),
         "rows": rows,
         "media_files": len(dest.backend.list("media")),
     }
@@ -271,7 +272,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def _release(args: argparse.Namespace) -> int:
     store = _open(args.root)
-    report = release_run(store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run)
+    report = release_run(
+        store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run, force=args.force
+    )
     if args.json:
         _print_json(report.to_dict())
         return 0
@@ -286,6 +289,21 @@ def _release(args: argparse.Namespace) -> int:
         f"{deleted} {len(report.gc.deleted)} media files ({_human_bytes(report.gc.bytes_freed)}),"
         f" kept {report.gc.kept}"
     )
+    return 0
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    report = upgrade(args.root)
+    if args.json:
+        _print_json(report.to_dict())
+    elif not report.upgraded:
+        print(f"{args.root} is a format-2 store already (table version {report.table_version})")
+    else:
+        print(
+            f"upgraded {args.root} to format 2: committed {report.files_committed} rollout "
+            f"files ({report.files_already_committed} by an earlier run) to the table, now at "
+            f"version {report.table_version}"
+        )
     return 0
 
 
@@ -359,7 +377,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("root", help="store path or s3://bucket/prefix")
     p.add_argument("--no-hash", action="store_true", help="check presence only, not hashes")
 
-    p = command("gc", _gc, "delete media no rollout or pin references")
+    p = command("gc", _gc, "delete rollout files and media no needed version or pin references")
     p.add_argument("root", help="store path or s3://bucket/prefix")
     p.add_argument("--grace", type=_seconds, default=3600, metavar="SECONDS", help=GRACE_HELP)
     p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
@@ -377,11 +395,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_steps, metavar="A:B", help="steps A to B-1, or one step")
     p.add_argument("--remove", action="store_true", help="remove the pin NAME")
 
-    p = command("release", _release, "drop a run's rollouts, then gc")
+    p = command("upgrade", _upgrade, "turn a format-1 store into format 2, in place")
+    p.add_argument("root", help="store path or s3://bucket/prefix")
+
+    p = command("release", _release, "drop a run's rollouts from the latest version, then gc")
     p.add_argument("root", help="store path or s3://bucket/prefix")
     p.add_argument("run_id")
     p.add_argument("--grace", type=_seconds, default=3600, metavar="SECONDS", help=GRACE_HELP)
     p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
+    p.add_argument(
+        "--force", action="store_true", help="release rows a pin holds (the pin keeps its copy)"
+    )
 
     return parser
 

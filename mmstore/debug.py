@@ -36,7 +36,8 @@ from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
 from mmstore._rows.files import partition_of, reading
 from mmstore._rows.store import Store
-from mmstore._storage.backends import FileStat, S3Backend
+from mmstore._rows.table import TableFile
+from mmstore._storage.backends import S3Backend
 
 __all__ = [
     "images",
@@ -70,17 +71,18 @@ FP32_BYTES = 4
 # -- frames ------------------------------------------------------------------------------
 
 
-def scan(store: Store) -> pl.LazyFrame:
-    """One row per committed rollout: ``run_id``, ``step`` (from the paths), then the columns.
+def scan(store: Store, *, version: int | None = None) -> pl.LazyFrame:
+    """One row per committed rollout of table ``version`` (None: the latest): ``run_id``,
+    ``step``, then the columns.
 
-    The file list is taken now, so the frame is a snapshot: files committed later are not in it.
+    The file list is the version's, taken now: files committed later are not in it.
     """
-    return _scan_files(store, store.rollout_files())
+    return _scan_files(store, store.files(version))
 
 
-def images(store: Store) -> pl.LazyFrame:
+def images(store: Store, *, version: int | None = None) -> pl.LazyFrame:
     """One row per image ref: the sample it belongs to, its ``index`` in the row, the ref."""
-    return _explode_refs(scan(store))
+    return _explode_refs(scan(store, version=version))
 
 
 def missing_media(store: Store) -> pl.DataFrame:
@@ -105,7 +107,7 @@ def summary(
     unknown = set(keys) - set(SUMMARY_KEYS)
     if unknown:
         raise InvalidArgumentError(f"summary can group by {SUMMARY_KEYS}, not {sorted(unknown)}")
-    files = store.rollout_files()  # one listing: every figure below is of the same files
+    files = store.files()  # one version: every figure below is of the same files
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
     refs = _ref_facts(store, scanned, files, progress)
@@ -369,7 +371,7 @@ def _legend(font: ImageFont.FreeTypeFont | ImageFont.ImageFont) -> Image.Image:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _scan_files(store: Store, files: Sequence[FileStat]) -> pl.LazyFrame:
+def _scan_files(store: Store, files: Sequence[TableFile]) -> pl.LazyFrame:
     if not files:
         return pl.LazyFrame(schema={**PARTITIONS, **_ROW_SCHEMA})
     frame = pl.scan_parquet(
@@ -399,7 +401,7 @@ def _source(store: Store, rel: str) -> str:
 
 
 def _ref_facts(
-    store: Store, scanned: pl.LazyFrame, files: Sequence[FileStat], progress: bool | None
+    store: Store, scanned: pl.LazyFrame, files: Sequence[TableFile], progress: bool | None
 ) -> pl.DataFrame:
     """Every image ref with its media file size (null when absent) and dense fp32 bytes."""
     refs = (

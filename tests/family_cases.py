@@ -98,6 +98,9 @@ class FamilyCase:
     backend_noise: bool = True
     #: settings that do not move the fingerprint, besides the ones every family ignores
     neutral_changes: tuple[Mapping[str, Any], ...] = ()
+    #: what an image processor alone must carry to know its layout, which otherwise only the
+    #: full processor says (Pixtral's spatial merge); without them it is refused, never guessed
+    alone_needs: Mapping[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:  # the pytest id
         return self.family
@@ -867,8 +870,9 @@ def mistral3_model(dtype: torch.dtype, attn: str = "eager") -> Any:
 PIXTRAL = FamilyCase(
     family="pixtral",
     backends={"pil": PixtralImageProcessorPil, "torchvision": PixtralImageProcessor},
-    # A small Mistral 3 layout for store and model tests: 16 px per token, up to 64 px.
-    small_settings={"patch_size": 8, "size": {"longest_edge": 64}},
+    # A small Mistral 3 layout for store and model tests: 16 px per token, up to 64 px. The
+    # image processor carries the merge, so that it also lays out alone (alone_needs).
+    small_settings={"patch_size": 8, "size": {"longest_edge": 64}, "spatial_merge_size": 2},
     full=pixtral_processor,
     published_ids=PIXTRAL_PUBLISHED,
     small_ids=PIXTRAL_SMALL,
@@ -917,7 +921,12 @@ PIXTRAL = FamilyCase(
     store_sizes=((40, 20), (64, 64), (17, 50)),
     tiny_model=mistral3_model,
     model_input_names=("input_ids", "attention_mask", "pixel_values", "image_sizes"),
-    layout_changes=({"patch_size": 16}, {"size": {"longest_edge": 128}}),
+    layout_changes=(
+        {"patch_size": 16},
+        {"size": {"longest_edge": 128}},
+        {"spatial_merge_size": 1},
+    ),
+    alone_needs={"spatial_merge_size": 2},
     # A side that floors to 0 pixels when the image is fitted into longest_edge.
     unrepresentable=((5000, 1), (1, 5000), (3082, 1)),
     unrepresentable_match="0 pixels",

@@ -10,6 +10,7 @@ processes fit in a fast test. The parent never touches pyarrow or threads before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -93,16 +94,25 @@ def image_bytes(seed: int, width: int = 120, height: int = 80) -> bytes:
 def check_store(store: mmstore.Store, adapter: mmstore.QwenVLAdapter) -> list[dict[str, Any]]:
     """Assert a local store is whole: garbage only in ``_staging/``; return committed rows.
 
-    Every media file hashes to its name; every file under ``rollouts/`` is a committed
-    Parquet file that reads whole, holding intact rows whose media is all present.
+    The rollouts table opens; every media file hashes to its name; every file under
+    ``rollouts/`` (beside the table's log) is a Parquet file that reads whole, and every
+    file the latest version lists is there, holding intact rows whose media is all present.
+    Files no version lists (a writer killed between its rename and its commit) may be
+    there, whole. Every file a pin holds is there.
     """
     base = store.backend.base
+    listed = {f.path for f in store.files()}  # the table opens, at its latest version
     rows: list[dict[str, Any]] = []
     media: set[str] = set()
+    found: set[str] = set()
     for rel in tree(base):
         rel = rel.replace(os.sep, "/")
         top = rel.split("/", 1)[0]
         if rel == "mmstore.json" or top in ("_staging", "pins"):  # pins: verify reads them
+            continue
+        if top == "runs":  # the runs' layout records: small JSON documents
+            with open(os.path.join(base, rel), "rb") as f:
+                assert isinstance(json.loads(f.read()), dict), f"torn run record {rel}"
             continue
         if top == "media":
             name = rel.rsplit("/", 1)[1]
@@ -112,36 +122,69 @@ def check_store(store: mmstore.Store, adapter: mmstore.QwenVLAdapter) -> list[di
             media.add(rel)
             continue
         assert top == "rollouts", f"unexpected file outside _staging: {rel}"
+        if rel.startswith("rollouts/_delta_log/"):
+            continue
         assert rel.endswith(".parquet") and "/part-" in rel, f"stray file {rel}"
         table = pq.read_table(os.path.join(base, rel), partitioning=None)
-        rows += table.to_pylist()
+        found.add(rel)
+        if rel in listed:
+            rows += table.to_pylist()
+    assert listed <= found, f"listed files missing: {sorted(listed - found)[:3]}"
     for row in rows:
         assert mmstore.Rollout(**row) == remake(adapter, row), row["sample_id"]
         for ref in row["images"]:
             assert ref["uri"] in media, f"{row['sample_id']} references missing {ref['uri']}"
+    for pin in mmstore._lifecycle.pins.read_pin_records(store).values():
+        assert pin.files <= found, f"pin {pin.name} lost files {sorted(pin.files - found)[:3]}"
     return rows
 
 
 # -- crash: writers killed with SIGKILL at random moments ----------------------------------
 
-# Phase marker -> how long after it the parent may kill (s); a put or commit is a few fsyncs.
-PHASES = {b"p": 0.1, b"w": 0.015, b"c": 0.03}  # media puts, row writes, commit
+# Phase marker -> how long after it the parent may kill (s); a put is a few fsyncs, a commit
+# a few fsyncs, a rename and a Delta transaction.
+PHASES = {b"p": 0.1, b"w": 0.015, b"c": 0.06}  # media puts, row writes, commit
+
+
+def crash_commit(
+    store: mmstore.Store, adapter: mmstore.QwenVLAdapter, trial: int, commit: int, marker_fd: int
+) -> mmstore.RolloutWriter:
+    """Commit ``commit`` of trial ``trial``: the same rows and media every time it is made
+    (seeded by both), as producer ``t<trial>`` with seq ``commit``."""
+    rng = random.Random(f"{trial}/{commit}")
+    os.write(marker_fd, b"p")
+    # A pool shared by every trial: some puts write, some renew a present file.
+    media = [store.put_media(image_bytes(rng.randrange(60)), "png") for _ in range(4)]
+    os.write(marker_fd, b"w")
+    writer = store.writer(
+        run_id="crash", step=trial, row_group_size=3, producer=f"t{trial}", seq=commit
+    )
+    with writer:
+        for k in range(8):
+            pair = rng.sample(media, 2)
+            writer.write(make_row(adapter, pair, f"t{trial}-c{commit}-{k}", group_id="g"))
+        os.write(marker_fd, b"c")  # the commit runs as the block exits
+    os.write(marker_fd, b"d")
+    return writer
 
 
 def crash_child(root: str, trial: int, adapter: mmstore.QwenVLAdapter, marker_fd: int) -> None:
     store = mmstore.Store.open(root)
-    rng = random.Random(trial)
     for commit in range(100):
-        os.write(marker_fd, b"p")
-        # A pool shared by every trial: some puts write, some renew a present file.
-        media = [store.put_media(image_bytes(rng.randrange(60)), "png") for _ in range(4)]
-        os.write(marker_fd, b"w")
-        with store.writer(run_id="crash", step=trial, row_group_size=3) as writer:
-            for k in range(8):
-                pair = rng.sample(media, 2)
-                writer.write(make_row(adapter, pair, f"t{trial}-c{commit}-{k}", group_id="g"))
-            os.write(marker_fd, b"c")  # the commit runs as the block exits
-        os.write(marker_fd, b"d")
+        crash_commit(store, adapter, trial, commit, marker_fd)
+
+
+def crash_retry(root: str, trial: int, adapter: mmstore.QwenVLAdapter) -> None:
+    """What a restarted producer does: make its last committed commit again (the table must
+    refuse it as a duplicate) and the one it may have been killed in (committed once)."""
+    store = mmstore.Store.open(root)
+    done = store.table.producer_seq(f"t{trial}")
+    sink = os.open(os.devnull, os.O_WRONLY)
+    if done is not None:
+        again = crash_commit(store, adapter, trial, done, sink)
+        assert again.duplicate and again.committed == [], f"trial {trial} seq {done} twice"
+    nxt = crash_commit(store, adapter, trial, 0 if done is None else done + 1, sink)
+    assert not nxt.duplicate and len(nxt.committed) == 1
 
 
 def crash(root: str, trials: int, seed: int) -> dict[str, Any]:
@@ -171,6 +214,7 @@ def crash(root: str, trials: int, seed: int) -> dict[str, Any]:
             kills[phase.decode()] += 1
         else:
             raise RuntimeError(f"writer of trial {trial} exited with status {status}")
+        _run_to_end(lambda t=trial: crash_retry(root, t, adapter))
     return {"kills": kills}
 
 
@@ -266,9 +310,10 @@ def lifecycle_op(root: str, trial: int, op: str, marker_fd: int) -> None:
         held = {f.path.split("/")[1].removeprefix("run_id=") for f in store.rollout_files()}
         runs = [r for r in (f"run{trial}", f"run{trial - 1}") if r in held]
         mmstore.export(store, f"{root}-export-{trial}", runs=runs)
-    else:  # pin a run's rows, then release it: the pin must keep every one of its images
+    else:  # pin a run's rows, then release it (forced: the pin holds them): the pin must
+        # keep every one of its files and images
         mmstore.pin_rows(store, f"pin{trial}", runs=[f"run{trial}"])
-        mmstore.release_run(store, f"run{trial}", grace_seconds=60)
+        mmstore.release_run(store, f"run{trial}", grace_seconds=60, force=True)
     os.write(marker_fd, b"d")
 
 
@@ -308,6 +353,127 @@ def lifecycle(root: str, trials: int, seed: int) -> dict[str, Any]:
     return {"ops": outcome}
 
 
+# -- upgrade: a format-1 store upgraded by processes killed with SIGKILL -------------------
+
+UPGRADE_RUNS, UPGRADE_STEPS = 3, 6
+
+
+def to_format_1(root: str) -> None:
+    """Make a format-2 store the format-1 store its files were: no log, no run records,
+    the manifest at format 1 (no pyarrow, no delta-rs: plain file operations)."""
+    import shutil
+
+    shutil.rmtree(os.path.join(root, "rollouts", "_delta_log"), ignore_errors=True)
+    shutil.rmtree(os.path.join(root, "runs"), ignore_errors=True)
+    path = os.path.join(root, "mmstore.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["format_version"] = 1
+    manifest.pop("upgraded", None)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def format_1_files(root: str) -> list[str]:
+    return sorted(
+        rel.replace(os.sep, "/")
+        for rel in tree(os.path.join(root, "rollouts"))
+        if rel.endswith(".parquet") and not rel.startswith("_")
+    )
+
+
+def upgrade_prepare(root: str, adapter: mmstore.QwenVLAdapter) -> None:
+    """Runs of one-row files over shared media, and a pin, in a store made as format 2."""
+    store = mmstore.Store.open(root, create=True)
+    media = [store.put_media(image_bytes(seed, 64, 48)) for seed in range(6)]
+    for r in range(UPGRADE_RUNS):
+        for step in range(UPGRADE_STEPS):
+            with store.writer(run_id=f"u{r}", step=step) as writer:
+                pair = [media[(r + step) % 6], media[(r + step + 1) % 6]]
+                writer.write(make_row(adapter, pair, f"u{r}-{step}", group_id="g"))
+    mmstore.pin(store, "keep", [media[0]])
+
+
+def upgrade_op(root: str, marker_fd: int) -> None:
+    os.write(marker_fd, b"s")
+    mmstore.upgrade(root, batch_files=1)  # one commit per file: many points to die at
+    os.write(marker_fd, b"d")
+
+
+def upgrade_check(root: str, expected: list[str], adapter: mmstore.QwenVLAdapter) -> None:
+    """After any kill: every format-1 file is there, the table (if begun) opens and lists a
+    sorted prefix of them, each once; a finished upgrade is a whole format-2 store."""
+    from mmstore._rows.table import RolloutTable
+    from mmstore._storage.store import Storage
+
+    assert [f"rollouts/{p}" for p in format_1_files(root)] == expected, "a file was lost"
+    with open(os.path.join(root, "mmstore.json")) as f:
+        version = json.load(f)["format_version"]
+    assert version in (1, 2), version
+    if os.path.isdir(os.path.join(root, "rollouts", "_delta_log")):
+        table = RolloutTable(Storage.open_format(root, False, (1, 2)))
+        added = [f.path for e in table.entries_after(-1) for f in e.added]
+        assert added == expected[: len(added)], "not committed once each, in sorted order"
+        assert sorted(f.path for f in table.snapshot().files) == added
+    else:
+        assert version == 1
+    if version == 2:
+        store = mmstore.Store.open(root)
+        assert [f.path for f in store.files()] == expected
+        rows = check_store(store, adapter)
+        assert sorted(r["sample_id"] for r in rows) == sorted(
+            f"u{r}-{s}" for r in range(UPGRADE_RUNS) for s in range(UPGRADE_STEPS)
+        )
+        assert mmstore.list_pins(store) == {"keep": 1}
+        assert mmstore.verify(store).ok
+    else:
+        with contextlib.suppress(mmstore.UpgradeRequiredError):
+            mmstore.Store.open(root)
+            raise AssertionError("a format-1 store opened without an upgrade")
+
+
+def upgrade_trials(root: str, trials: int, seed: int) -> dict[str, Any]:
+    adapter = small_adapter()
+    rng = random.Random(seed)
+    _run_to_end(lambda: upgrade_prepare(root, adapter))
+    to_format_1(root)
+    expected = [f"rollouts/{p}" for p in format_1_files(root)]
+    outcome = {"killed": 0, "finished": 0, "upgraded": 0}
+    within = 1.0  # until an upgrade is seen to finish: then within the time it took
+    for _ in range(trials):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            code = 0
+            try:
+                upgrade_op(root, write_fd)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        os.close(write_fd)
+        if _await_marker(read_fd, b"s", 1):
+            started = time.monotonic()
+            if _await_marker(read_fd, b"d", 1, timeout=rng.uniform(0, within)):
+                within = time.monotonic() - started
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        os.close(read_fd)
+        if os.WIFSIGNALED(status):
+            outcome["killed"] += 1
+        elif os.waitstatus_to_exitcode(status) == 0:
+            outcome["finished"] += 1
+        else:
+            raise RuntimeError(f"an upgrade failed with status {status}")
+        _run_to_end(lambda: upgrade_check(root, expected, adapter))
+        with open(os.path.join(root, "mmstore.json")) as f:
+            if json.load(f)["format_version"] == 2:  # done: start over from format 1
+                outcome["upgraded"] += 1
+                to_format_1(root)
+    return outcome
+
+
 def _run_to_end(fn: Any) -> None:
     """``fn()`` in a forked child (the parent stays free of pyarrow and threads)."""
     pid = os.fork()
@@ -335,6 +501,10 @@ def main(argv: list[str]) -> None:
     lc.add_argument("root")
     lc.add_argument("--trials", type=int, default=12)
     lc.add_argument("--seed", type=int, default=0)
+    u = sub.add_parser("upgrade")
+    u.add_argument("root")
+    u.add_argument("--trials", type=int, default=40)
+    u.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("concurrent")
     c.add_argument("root")
     c.add_argument("--writers", type=int, default=4)
@@ -345,6 +515,8 @@ def main(argv: list[str]) -> None:
         result = crash(args.root, args.trials, args.seed)
     elif args.mode == "lifecycle":
         result = lifecycle(args.root, args.trials, args.seed)
+    elif args.mode == "upgrade":
+        result = upgrade_trials(args.root, args.trials, args.seed)
     else:
         result = concurrent(args.root, args.writers, args.shared, args.rows)
     print(json.dumps(result))

@@ -173,7 +173,14 @@ def test_expand_lays_out_spans_at_the_right_offsets(adapter):
         loss_mask=[0] * len(tokens),
         images=refs,
     )
-    mmstore.check_rollout(rollout)
+    # Images 1 and 2 touch: their image tokens would read as one image to the model.
+    with pytest.raises(mmstore.InvalidRolloutError, match="as one image") as err:
+        mmstore.check_rollout(rollout)
+    assert (err.value.sample_id, err.value.image_index) == ("s", 2)
+    apart, refs = adapter.expand(np.array([10, 11, img, 12, img, 15, img, 13, 14]), media)
+    mmstore.check_rollout(
+        rollout.model_copy(update={"tokens": apart, "loss_mask": [0] * len(apart), "images": refs})
+    )
 
 
 def test_expand_without_images_is_identity(adapter):

@@ -31,7 +31,9 @@ PROCESSORS = {
         size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}
     ),
     "gemma3": lambda: Gemma3ImageProcessor(size={"height": 56, "width": 56}),
-    "pixtral": lambda: PixtralImageProcessor(patch_size=8, size={"longest_edge": 64}),
+    "pixtral": lambda: PixtralImageProcessor(
+        patch_size=8, size={"longest_edge": 64}, spatial_merge_size=2
+    ),
     "kimi-k25": lambda: Kimi_K25ImageProcessor(
         max_patches=64, size={"max_height": 16, "max_width": 16}
     ),
@@ -83,7 +85,9 @@ def test_the_shuffles_after_normalizing_move_the_train_dtype(monkeypatch: Any) -
 
 def test_a_pil_backend_casts_after_the_processor() -> None:
     """No torchvision steps to cast inside: its float32 output is cast, integers kept."""
-    adapter = mmstore.adapter_for(PixtralImageProcessorPil(patch_size=8, size={"longest_edge": 64}))
+    adapter = mmstore.adapter_for(
+        PixtralImageProcessorPil(patch_size=8, size={"longest_edge": 64}, spatial_merge_size=2)
+    )
     image = noise(97, 61)
     want = adapter.process([image])
     got = adapter.process([image], torch.bfloat16)

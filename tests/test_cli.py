@@ -289,8 +289,11 @@ def test_pin_keeps_a_released_runs_media(copy, known, capsys):
     assert json.loads(result.stdout)["pin"] == "keep-r2"
     listing = call_cli(capsys, "pin", copy)
     assert listing.returncode == 0 and "keep-r2" in listing.stdout
-    assert call_cli(capsys, "release", copy, "r2", "--grace", "0").returncode == 0
+    # The pin holds r2's rows: a release is refused, naming it, unless forced.
+    assert_user_error(call_cli(capsys, "release", copy, "r2", "--grace", "0"), 1, "keep-r2")
+    assert call_cli(capsys, "release", copy, "r2", "--grace", "0", "--force").returncode == 0
     assert (copy / only_r2).exists()  # pinned, so it survives the release
+    assert list((copy / "rollouts" / "run_id=r2").rglob("*.parquet"))  # and so do its rows
     assert call_cli(capsys, "pin", copy, "keep-r2", "--remove").returncode == 0
     assert call_cli(capsys, "gc", copy, "--grace", "0").returncode == 0
     assert not (copy / only_r2).exists()

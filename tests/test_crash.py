@@ -3,7 +3,8 @@
 A parent process (tests/store_workers.py) forks writer processes that loop over media puts,
 row writes and commits, announcing each phase; it kills each writer a random time after a
 chosen phase began: during media puts, during the Parquet writes, during the commit (which
-spans encoding the file, writing it to staging, its fsync and the rename into place).
+spans encoding the file, writing it to staging, its fsync, the rename into place and the
+table's commit).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def test_the_check_sees_torn_files_and_debris_outside_staging(store, adapter):
         check_store(store, adapter)
     stray.unlink()
 
+    whole = part.read_bytes()
+    part.unlink()  # a file the latest version lists is gone
+    with pytest.raises(AssertionError, match="listed files missing"):
+        check_store(store, adapter)
+    part.write_bytes(whole)
+
     image.unlink()
     with pytest.raises(AssertionError, match="references missing"):
         check_store(store, adapter)
@@ -84,7 +91,7 @@ def test_sigkill_during_gc_release_export_and_pin_loses_nothing_referenced(tmp_p
     root = tmp_path / "store"
     mmstore.Store.open(root, create=True)
     done = subprocess.run(
-        [sys.executable, WORKERS, "lifecycle", str(root), "--trials", "12", "--seed", "3"],
+        [sys.executable, WORKERS, "lifecycle", str(root), "--trials", "24", "--seed", "3"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -92,9 +99,9 @@ def test_sigkill_during_gc_release_export_and_pin_loses_nothing_referenced(tmp_p
     assert done.returncode == 0, done.stderr
     ops = json.loads(done.stdout.strip().splitlines()[-1])["ops"]
     print(ops)
-    assert all(o["killed"] + o["finished"] == 3 for o in ops.values()), ops
+    assert all(o["killed"] + o["finished"] == 6 for o in ops.values()), ops
     assert all(o["killed"] for o in ops.values()), ops  # each kind died mid-operation
-    assert sum(o["killed"] for o in ops.values()) >= 6, ops
+    assert sum(o["killed"] for o in ops.values()) >= 12, ops
 
     store = mmstore.Store.open(root)
     check_store(store, adapter)  # every committed row's media is present and whole

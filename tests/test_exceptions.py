@@ -36,6 +36,11 @@ TREE = [
     (mmstore.TableVersionError, LookupError),
     (mmstore.TableConflictError, RuntimeError),
     (mmstore.TableForkError, RuntimeError),
+    (mmstore.MediaPermissionError, PermissionError),
+    (mmstore.NetworkError, ConnectionError),
+    (mmstore.UpgradeRequiredError, ValueError),
+    (mmstore.VersionMismatchError, RuntimeError),
+    (mmstore.PinnedRowsError, RuntimeError),
 ]
 
 ALL_ERRORS = [
@@ -157,3 +162,11 @@ def test_with_context_keeps_a_subclass_and_its_own_attributes():
     assert where.message == "cannot read x.parquet"
     assert where.context == {"run_id": "r1", "step": 3}
     assert isinstance(where, ValueError)
+
+
+def test_only_a_network_error_is_retryable():
+    # A caller's retry loop reads err.retryable: the way to the data failed, not the data.
+    assert mmstore.NetworkError("timed out", location="s3://b/k").retryable is True
+    assert isinstance(mmstore.NetworkError("x"), OSError)
+    assert [e.__name__ for e in ALL_ERRORS if e.retryable] == ["NetworkError"]
+    assert issubclass(mmstore.MediaPermissionError, mmstore.MediaError)

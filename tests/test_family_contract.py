@@ -19,6 +19,7 @@ What only one family does is tested in its own file.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping
@@ -160,7 +161,16 @@ def test_the_flagship_layout_and_the_fingerprint_stores_record(case):
     assert dict(adapter.layout.parameters) == case.layout_parameters
     # Stores record this value: changing how it is computed orphans every stored layout.
     assert adapter.fingerprint == case.fingerprint
-    assert mmstore.adapter_for(flagship.image_processor).fingerprint == case.fingerprint
+    # The image processor alone lays out as the full processor, or is refused until it is
+    # given what only the full processor says (never a guess: Pixtral's merge).
+    alone = copy.deepcopy(flagship.image_processor)
+    if case.alone_needs:
+        with pytest.raises(mmstore.UnsupportedProcessorError, match="full") as refusal:
+            mmstore.adapter_for(alone)
+        assert all(name in str(refusal.value) for name in case.alone_needs)
+        for name, value in case.alone_needs.items():
+            setattr(alone, name, value)
+    assert mmstore.adapter_for(alone).fingerprint == case.fingerprint
 
 
 def test_the_footer_record_rebuilds_the_layout(case):
@@ -339,6 +349,106 @@ def test_text_only_batches_with_and_without_a_dummy_image(case, filled, dtype):
     assert not batch["loss_mask"][0, end - len(expansion) : end].any()
     _check_token_types(adapter, batch)
     assert torch.isfinite(train_loss(model, padded, batch))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_packed_text_only_micro_batches_train(case, filled):
+    """A packed micro-batch without images (a text-only step, an agent turn without a
+    screenshot) passes None for the image inputs, as a padded batch does (a vision tower
+    cannot run on zero images); the tiny model trains on it, and each sample's logits equal
+    its logits alone."""
+    dtype = torch.float32
+    model = case.tiny_model(dtype)
+    small = case.small()
+    ds = mmstore.RolloutDataset(filled.store, small, dtype=dtype, runs=["t"], shuffle=False)
+    dummy = ds.adapter.num_tokens(*ds.adapter.dummy_size)  # every budget has room for one
+    max_tokens = sum(len(filled.rows[sid].tokens) for sid in ("t0", "t1")) + dummy
+    packed = mmstore.RolloutLoader(ds, batch_size=2, max_tokens=max_tokens)
+    one_by_one = mmstore.RolloutLoader(ds, batch_size=1)
+    alone = {batch["sample_ids"][0]: batch for batch in one_by_one}
+    (batch,) = list(packed)
+    assert batch["sample_ids"] == ["t0", "t1"] and not batch["dummy_image"]
+    assert all(batch[key] is None for key in ds.adapter.image_inputs)
+    assert torch.isfinite(train_loss(model, packed, batch))
+    with torch.no_grad():
+        logits = model(**model_inputs(packed, batch)).logits[0]
+        cu = batch["cu_seqlens"].tolist()
+        for i, sample_id in enumerate(batch["sample_ids"]):
+            expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
+            torch.testing.assert_close(logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
+    # The same with each image once (distinct_images): no image, no index.
+    (distinct,) = list(
+        mmstore.RolloutLoader(ds, batch_size=2, max_tokens=max_tokens, distinct_images=True)
+    )
+    assert all(distinct[key] is None for key in ds.adapter.image_inputs)
+    assert distinct["image_index"].numel() == 0
+
+
+def _touching_images(case: FamilyCase, processor: Any, adapter: Any, media: list) -> Any:
+    """A row whose two images have no token between them: the image token twice."""
+    first, last, _, _ = case.words
+    prompt = [
+        *token_ids(processor, first),
+        adapter.image_token_id,
+        adapter.image_token_id,
+        *token_ids(processor, last),
+    ]
+    tokens, refs = adapter.expand(prompt, media)
+    completion = token_ids(processor, case.completion_text)
+    return mmstore.Rollout(
+        sample_id="touching",
+        tokens=tokens + completion,
+        prompt_len=len(tokens),
+        loss_mask=[False] * len(tokens) + [True] * len(completion),
+        images=refs,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_touching_images_are_refused_where_the_model_would_merge_them(case, tmp_path):
+    """One rule for every family, at write time (and again at read time): two images whose
+    feature tokens would touch are refused, for the model reads a run of them as one image
+    (Qwen-VL's and GLM-4V's get_rope_index fail on it; Kimi-K2.5's spans are one repeated
+    token too). A family whose expansion closes on another token (Pixtral's [IMG_END], Gemma
+    3's "\n\n"), as its chat template writes two images in a row, keeps them apart: such a
+    row is written and trains packed with each sample's logits equal to its logits alone."""
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    small = case.small()
+    adapter = mmstore.adapter_for(small)
+    a, b, c = store_images(case)
+    media = [store.put_image(a), store.put_image(b)]
+    touching = _touching_images(case, small, adapter, media)
+    first, second = touching.images
+    assert first.offset + first.length == second.offset
+    feature = adapter.feature_token_id
+    merge = touching.tokens[second.offset - 1] == feature == touching.tokens[second.offset]
+    assert merge == (case.family in ("qwen-vl", "glm4v", "kimi-k25"))
+    if merge:
+        writer = store.writer(run_id="r", step=0, adapter=adapter)
+        with pytest.raises(mmstore.InvalidRolloutError, match="as one image") as err, writer as w:
+            w.write(touching)
+        assert (err.value.sample_id, err.value.image_index) == ("touching", 1)
+        assert store.rollout_files() == []
+        return
+    other = rollout(case, small, "other", [store.put_image(c)], adapter=adapter)
+    with store.writer(run_id="r", step=0, adapter=adapter) as w:
+        w.write(touching)
+        w.write(other)
+    model = case.tiny_model(torch.float32, "eager")
+    ds = mmstore.RolloutDataset(store, small, dtype=torch.float32, shuffle=False)
+    one_by_one = mmstore.RolloutLoader(ds, batch_size=1)
+    alone = {batch["sample_ids"][0]: batch for batch in one_by_one}
+    dummy = adapter.num_tokens(*adapter.dummy_size)  # kept free for a rank without images
+    max_tokens = len(touching.tokens) + len(other.tokens) + dummy
+    packed = mmstore.RolloutLoader(ds, batch_size=2, max_tokens=max_tokens)
+    (batch,) = list(packed)
+    assert sorted(batch["sample_ids"]) == ["other", "touching"]
+    with torch.no_grad():
+        logits = model(**model_inputs(packed, batch)).logits[0]
+        cu = batch["cu_seqlens"].tolist()
+        for i, sample_id in enumerate(batch["sample_ids"]):
+            expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
+            torch.testing.assert_close(logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
 
 
 def test_missing_media_gives_placeholders_the_model_accepts(case, tmp_path):

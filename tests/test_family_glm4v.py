@@ -17,6 +17,8 @@ from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProce
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import mmstore
+from mmstore._loading.microbatch import pack
+from mmstore._rows.check import Sample
 from tests.family_cases import (
     GLM4V,
     GLM4V_IMAGE,
@@ -108,3 +110,21 @@ def test_position_ids_refuse_adjacent_images():
     grid = {"image_grid_thw": torch.tensor([adapter.grid(28, 28)])}
     with pytest.raises(mmstore.InvalidRolloutError, match="between adjacent images"):
         adapter.position_ids(torch.tensor(expansion + expansion), [grid, grid])
+    # In a packed micro-batch the refusal names the sample (readers refuse such rows first).
+    ids = torch.tensor(expansion + expansion)
+    where = {"file": "f.parquet", "run_id": "r", "step": 0, "sample_id": "touching"}
+    sample = Sample(
+        "touching",
+        None,
+        ids,
+        torch.ones(len(ids), dtype=torch.bool),
+        None,
+        0,
+        0.0,
+        0.0,
+        [grid, grid],
+        where=where,
+    )
+    with pytest.raises(mmstore.InvalidRolloutError, match="between adjacent images") as err:
+        pack([sample], adapter, add_dummy=False, dtype=torch.float32)
+    assert err.value.context == where

@@ -9,6 +9,7 @@ batch's largest image.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import numpy as np
@@ -41,13 +42,51 @@ def test_rows_of_image_tokens_end_in_breaks_and_the_last_in_an_end():
     assert adapter.placeholder(*adapter.dummy_size)["image_sizes"].tolist() == [[16, 32]]
 
 
-def test_the_image_processor_alone_takes_the_published_ids_and_merge():
+def test_the_image_processor_alone_takes_the_published_ids_and_its_own_merge():
     small = PIXTRAL.small()
-    adapter = mmstore.adapter_for(small.image_processor)
+    adapter = mmstore.adapter_for(small.image_processor)  # it carries spatial_merge_size=2
     assert {k: adapter.layout.token_id(k) for k in PUBLISHED_IDS} == PUBLISHED_IDS
     assert adapter.expansion(20, 40) == [10, 10, 12, 10, 10, 12, 10, 10, 13]
-    # Mistral 3's published merge, 2: the full processor's layout.
     assert adapter.layout.param("spatial_merge_size") == 2
+    assert (
+        adapter.layout
+        == mmstore.adapter_for(PIXTRAL.full(small.image_processor, PIXTRAL_PUBLISHED)).layout
+    )
+
+
+@pytest.mark.parametrize("backend", sorted(PIXTRAL.backends))
+def test_an_image_processor_alone_without_the_merge_is_refused_not_guessed(backend, tmp_path):
+    """Pixtral-12B and Mistral 3 share the image processor; only the full processor (or the
+    model's config) knows the merge. With the class defaults a guess of 2 lays a 28x28 image
+    out as 2 tokens and a 1080p one as 594, where Pixtral-12B's processor makes 6 and 2340."""
+    cls = PIXTRAL.backends[backend]
+    with pytest.raises(mmstore.UnsupportedProcessorError, match="spatial_merge_size") as err:
+        mmstore.adapter_for(cls())
+    assert "PixtralProcessor" in str(err.value)
+    # Everything that takes a processor refuses it the same way, before reading anything.
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    with pytest.raises(mmstore.UnsupportedProcessorError, match="spatial_merge_size"):
+        mmstore.RolloutDataset(store, cls())
+    with pytest.raises(mmstore.UnsupportedProcessorError, match="spatial_merge_size"):
+        vllm.RefResolver(store, cls())
+    # Given the merge, it lays out as the full processor of that merge, fingerprint and all.
+    for merge, full in ((1, PIXTRAL.published("pixtral12b")), (2, None)):
+        alone = mmstore.adapter_for(cls(spatial_merge_size=merge))
+        if full is not None:
+            assert alone.fingerprint == mmstore.adapter_for(full).fingerprint
+        assert (alone.num_tokens(28, 28), alone.num_tokens(1920, 1080)) == {
+            1: (6, 2340),
+            2: (2, 594),
+        }[merge]
+
+
+def test_a_merge_the_full_processor_contradicts_is_refused():
+    image_processor = PixtralImageProcessorPil(patch_size=8, spatial_merge_size=1)
+    with pytest.raises(mmstore.UnsupportedProcessorError, match="ambiguous"):
+        mmstore.adapter_for(pixtral_processor(image_processor, merge=2))
+    for value in (0, "2", True):
+        with pytest.raises(mmstore.UnsupportedProcessorError, match="spatial_merge_size"):
+            mmstore.adapter_for(PixtralImageProcessorPil(spatial_merge_size=value))
 
 
 def test_pixtral_12b_merges_no_patches():
@@ -134,7 +173,10 @@ def _vllm_replacement(width: int, height: int, *, side: int, longest: int) -> li
 
 
 def test_spans_are_what_vllm_expands_each_image_token_to(store):
-    adapter = mmstore.adapter_for(PIXTRAL.published().image_processor)  # the published ids
+    # The published ids: Mistral 3's image processor alone, given the model's merge.
+    image_processor = copy.deepcopy(PIXTRAL.published().image_processor)
+    image_processor.spatial_merge_size = 2
+    adapter = mmstore.adapter_for(image_processor)
     sizes = [(641, 479), (3840, 2160)]
     media = [store.put_image(gradient(w, h)) for w, h in sizes]
     prompt = [1, 3, 10, 4, 10, 3]

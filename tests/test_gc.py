@@ -104,18 +104,31 @@ def test_release_run_keeps_shared_media_and_dry_run_matches(any_store, adapter):
 
 def test_pinned_rows_survive_release_of_their_run(store, adapter):
     shared, only_a, loose = put_photos(store, [1, 2, 3])
-    commit(store, adapter, "a", 0, [[shared, only_a]])
+    [pinned_file] = commit(store, adapter, "a", 0, [[shared, only_a]])
     commit(store, adapter, "b", 0, [[shared]])
     assert mmstore.pin_rows(store, "ckpt-7", runs="a", steps=range(0, 1)) == "pins/ckpt-7.json"
     mmstore.pin(store, "by-hash", [loose.hash])
     assert mmstore.list_pins(store) == {"by-hash": 1, "ckpt-7": 2}
 
-    report = mmstore.release_run(store, "a", grace_seconds=0)
+    # The pin holds run a's rows: a release is refused, naming it, and changes nothing.
+    with pytest.raises(mmstore.PinnedRowsError, match="ckpt-7") as info:
+        mmstore.release_run(store, "a", grace_seconds=0)
+    assert info.value.pins == ["ckpt-7"] and info.value.run_id == "a"
+    assert {f.run_id for f in store.files()} == {"a", "b"}
+    # Forced, the rows leave the latest version, and the pin keeps its copy: the file and
+    # its media stay, even with no grace period.
+    report = mmstore.release_run(store, "a", grace_seconds=0, force=True)
+    assert report.removed_files == [pinned_file]
     assert report.gc.deleted == [] and report.gc.pinned == 3
+    assert report.gc.rollout_files_deleted == []
+    assert {f.run_id for f in store.files()} == {"b"}
+    assert store.backend.stat(pinned_file) is not None
     assert present(store, [shared, only_a, loose]) == [True, True, True]
 
     mmstore.unpin(store, "ckpt-7")
-    assert mmstore.gc(store, grace_seconds=0).deleted == [only_a.uri]
+    after = mmstore.gc(store, grace_seconds=0)
+    assert after.deleted == [only_a.uri] and after.rollout_files_deleted == [pinned_file]
+    assert store.backend.stat(pinned_file) is None
     assert mmstore.list_pins(store) == {"by-hash": 1}
     assert present(store, [loose]) == [True]
 

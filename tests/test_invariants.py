@@ -39,7 +39,11 @@ def image_sizes(draw: st.DrawFn) -> tuple[int, int]:
 @st.composite
 def valid_rows(draw: st.DrawFn, min_images: int = 0, min_text: int = 0) -> Rollout:
     n_images = draw(st.integers(min_images, 4))
-    chunks = [draw(st.lists(text_tokens, max_size=6)) for _ in range(n_images + 1)]
+    # Text between every two images: Qwen-VL images that touch read as one (refused).
+    chunks = [
+        draw(st.lists(text_tokens, min_size=int(0 < i < n_images), max_size=6))
+        for i in range(n_images + 1)
+    ]
     while sum(map(len, chunks)) < min_text:
         chunks[-1].append(draw(text_tokens))
     ids = list(chunks[0])

@@ -1,15 +1,29 @@
 """Ray Data on a real two-node Ray cluster on loopback: materialization actors on one node,
 the consumer (this driver) on the other; the batches equal the local loader's, ranks are
-disjoint and complete, and a resume mid-epoch continues exactly."""
+disjoint and complete, and a resume mid-epoch continues exactly. Ray reads with the loader's
+checks (page checksums), errors arrive typed, and a pool the cluster cannot hold fails at
+once instead of hanging (issue 30 items 4, 13, 22)."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 import mmstore
+from mmstore._format.schema import ROW_COLUMNS
+from mmstore._rows.check import RowWindow, family_checker
+from mmstore._rows.files import conform
 from mmstore.synth import photo, write_grpo_steps
+from tests.conftest import SMALL_MAX_PIXELS
 
 ray = pytest.importorskip("ray")
 mmray = pytest.importorskip("mmstore.integrations.ray")
@@ -144,14 +158,11 @@ def test_read_rollouts_refuses_a_forged_row_naming_its_file(cluster, tmp_path, s
     bad["images"][0]["offset"] += 1  # the span no longer covers the image's tokens
     path = forge(store, adapter, [make_row(adapter, media, "ok"), bad])
     data = mmray.read_rollouts(store, small_processor, concurrency=1, resources=ON_WORKER_NODE)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(mmstore.InvalidRolloutError) as info:
         data.take_all()
-    # Ray re-raises the actor's error as its own type; the message is the loader's, with
-    # the loader's context: file, run, step and sample.
-    message = str(info.value)
-    assert "InvalidRolloutError" in message
-    assert f"file={path!r}" in message and "run_id='forged'" in message
-    assert "step=0" in message and "sample_id='bad'" in message
+    # The loader's error, typed, with the loader's context: file, run, step and sample.
+    err = info.value
+    assert (err.file, err.run_id, err.step, err.sample_id) == (path, "forged", 0, "bad")
 
 
 def test_device_preprocessing_runs_where_the_batches_are_consumed(cluster, filled):
@@ -171,3 +182,167 @@ def test_device_preprocessing_runs_where_the_batches_are_consumed(cluster, fille
     assert len(remote) == len(local)
     for a, b in zip(remote, local, strict=True):
         _same(a, b)
+
+
+# -- issue 30 item 4: Ray reads what it checks ----------------------------------------------
+
+
+def _one_step_store(root: Path, processor, run_id: str) -> tuple[mmstore.Store, list, str]:
+    """A store with one committed file of ``run_id`` at step 0 (two row groups of 4 rows);
+    its rows and the file's store-relative path."""
+    store = mmstore.Store.open(root, create=True)
+    written = write_grpo_steps(
+        store,
+        mmstore.adapter_for(processor),
+        run_id=run_id,
+        steps=[0],
+        row_group_size=4,
+        groups=2,
+        group_size=4,
+        images_per_sample=1,
+        image_size=(56, 56),
+    )
+    base = Path(store.backend.abspath(""))
+    [file] = [
+        p
+        for p in (base / "rollouts").rglob("*.parquet")
+        if not any(part.startswith(("_", ".")) for part in p.relative_to(base).parts)
+    ]
+    return store, written, file.relative_to(base).as_posix()
+
+
+def _rot_silently(path: str, rel: str, adapter: mmstore.QwenVL) -> None:
+    """Flip one bit in a tokens page body of the file at ``path`` such that a read without
+    page checksums still succeeds, with other tokens that pass every row check (bit rot
+    that nothing but the page checksum catches)."""
+    good = Path(path).read_bytes()
+    clean = pq.read_table(path, partitioning=None).column("tokens")
+    meta = pq.ParquetFile(path).metadata
+    chunk = next(
+        meta.row_group(0).column(c)
+        for c in range(meta.num_columns)
+        if meta.row_group(0).column(c).path_in_schema == "tokens.list.element"
+    )
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    for offset, bit in itertools.product(range(end - 1, chunk.data_page_offset, -1), range(8)):
+        damaged = bytearray(good)
+        damaged[offset] ^= 1 << bit
+        Path(path).write_bytes(damaged)
+        try:
+            rows = pq.read_table(path, partitioning=None)
+        except (OSError, ValueError):  # this flip is caught anyway (zstd, a torn page)
+            continue
+        if not rows.column("tokens").equals(clean) and _rows_pass_checks(rows, rel, adapter):
+            return
+    Path(path).write_bytes(good)
+    raise AssertionError("no single bit flip in the tokens page is silent")
+
+
+def _rows_pass_checks(rows, rel: str, adapter: mmstore.QwenVL) -> bool:
+    """Whether the loader's row checks (spans, stray image tokens, sizes) pass every row."""
+    window = RowWindow(
+        conform(rows, ROW_COLUMNS, file=rel),
+        family_checker(adapter),
+        max_pixels=2**31,
+        image_token_ids=adapter.special_token_ids,
+    )
+    try:
+        for i in range(window.num_rows):
+            window.check(i)
+    except mmstore.MmstoreError:
+        return False
+    return True
+
+
+def test_read_rollouts_refuses_a_rotten_page_naming_its_file(cluster, tmp_path, small_processor):
+    store, _, rel = _one_step_store(tmp_path / "s", small_processor, "rot")
+    _rot_silently(store.backend.abspath(rel), rel, mmstore.adapter_for(small_processor))
+    data = mmray.read_rollouts(store, small_processor, concurrency=1, resources=ON_WORKER_NODE)
+    with pytest.raises(mmstore.CorruptFileError) as info:
+        data.take_all()
+    err = info.value
+    assert (err.file, err.run_id, err.step) == (rel, "rot", 0)
+
+
+# -- issue 30 item 13: errors through Ray arrive as the mmstore error raised ----------------
+
+
+def test_errors_on_actors_arrive_as_the_mmstore_error_they_are(cluster, tmp_path, small_processor):
+    store, written, rel = _one_step_store(tmp_path / "s", small_processor, "gone")
+    for media in Path(store.backend.abspath("media")).rglob("*.*"):
+        media.unlink()
+    sample_ids = {r.sample_id for r in written}
+
+    data = mmray.read_rollouts(store, small_processor, concurrency=1, resources=ON_WORKER_NODE)
+    with pytest.raises(mmstore.MediaNotFoundError) as info:
+        data.take_all()
+    err = info.value  # Ray's RayTaskError made an instance of the error's class
+    assert isinstance(err, FileNotFoundError) and isinstance(err, mmstore.MmstoreError)
+    assert type(err.cause) is mmstore.MediaNotFoundError  # the original, whole
+    assert (err.file, err.run_id, err.step, err.image_index) == (rel, "gone", 0, 0)
+    assert err.sample_id in sample_ids and err.uri.startswith("media/")
+
+    batches = mmray.iter_batches(
+        _loader(store, small_processor), concurrency=1, resources=ON_WORKER_NODE
+    )
+    with pytest.raises(mmstore.MediaNotFoundError) as info:
+        next(batches)
+    err = info.value
+    assert type(err) is mmstore.MediaNotFoundError  # unwrapped: the error the actor raised
+    assert (err.file, err.run_id, err.step, err.image_index) == (rel, "gone", 0, 0)
+    assert err.sample_id in sample_ids
+
+
+# -- issue 30 item 22: a pool the cluster cannot hold -----------------------------------------
+
+
+def test_a_pool_the_cluster_cannot_hold_fails_at_the_call(cluster, filled, small_processor):
+    # The cluster: 3 CPUs, of which 2 on the node with the 2 "materialize" resources.
+    with pytest.raises(mmstore.InvalidArgumentError, match="cannot hold") as info:
+        mmray.read_rollouts(filled, small_processor, concurrency=3, resources=ON_WORKER_NODE)
+    assert info.value.fits == 2
+    with pytest.raises(mmstore.InvalidArgumentError, match="room for 3"):
+        mmray.read_rollouts(filled, small_processor, concurrency=4)
+    with pytest.raises(mmstore.InvalidArgumentError, match="cannot hold"):
+        mmray.iter_batches(
+            _loader(filled, small_processor), concurrency=3, resources=ON_WORKER_NODE
+        )
+    with pytest.raises(mmstore.InvalidArgumentError, match="cannot hold one actor"):
+        mmray.read_rollouts(filled, small_processor, resources={"gpu_node": 1})
+
+
+# A laptop's Ray: one node of 2 CPUs, read_rollouts with every default. Run in a process of
+# its own (a driver joins one cluster), bounded: a hang fails the test instead of the suite.
+TWO_CPU_DRIVER = """
+import sys
+import ray
+import mmstore
+from mmstore.integrations import ray as mmray
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+         _node_ip_address="127.0.0.1")
+store = mmstore.Store.open(sys.argv[1])
+processor = Qwen2VLImageProcessorPil(max_pixels=int(sys.argv[2]))
+print("ROWS", len(mmray.read_rollouts(store, processor).take_all()), flush=True)
+ray.shutdown()
+"""
+TWO_CPU_BOUND_S = 240
+
+
+def test_read_rollouts_with_its_defaults_finishes_on_a_two_cpu_ray(filled):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_CPU_DRIVER, filled.root, str(SMALL_MAX_PIXELS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its Ray processes in its group: all of them end with it
+    )
+    try:
+        out, _ = proc.communicate(timeout=TWO_CPU_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"read_rollouts with its defaults hung on a 2-CPU Ray ({TWO_CPU_BOUND_S} s)")
+    assert proc.returncode == 0, out[-4000:]
+    assert "ROWS 24" in out, out[-4000:]

@@ -25,6 +25,7 @@ from PIL import Image
 import mmstore
 from mmstore._format.schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
 from mmstore.synth import photo
+from tests.rows import commit_existing
 
 IMG = 151655  # Qwen-VL's image token
 IMG_SIZE = (56, 56)  # 4 tokens in the small test layout
@@ -54,7 +55,8 @@ def make_row(adapter, media, sample_id="s0", n_images=1):
 
 
 def forge(store, adapter, rows, *, schema=ROLLOUT_SCHEMA, run="forged", step=0):
-    """Commit ``rows`` as one file written by plain pyarrow; its store-relative path."""
+    """Commit ``rows`` as one file written by plain pyarrow (and committed to the table);
+    its store-relative path."""
     path = f"rollouts/run_id={run}/step={step}/part-{uuid.uuid4().hex}-00000.parquet"
     table = pa.Table.from_pylist(rows, schema=schema)
     layouts = {adapter.fingerprint: adapter.layout.params()}
@@ -64,6 +66,7 @@ def forge(store, adapter, rows, *, schema=ROLLOUT_SCHEMA, run="forged", step=0):
     target = store.backend.abspath(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     pq.write_table(table, target)
+    commit_existing(store, path)  # as another engine's writer would: the log lists it
     return path
 
 
@@ -112,6 +115,16 @@ def _other_size(row):
     row["images"][0]["width"] = row["images"][0]["height"] = 560
 
 
+def _touching(row):
+    # The text token between the two images removed: their spans touch, and Qwen-VL's model
+    # would read their image tokens as one image.
+    gap = row["images"][0]["offset"] + row["images"][0]["length"]
+    for name in ("tokens", "loss_mask", "logprobs"):
+        del row[name][gap]
+    row["images"][1]["offset"] -= 1
+    row["prompt_len"] -= 1
+
+
 SPAN_DAMAGE = {
     "shifted": (_shift, 0),
     "past_the_end": (_past_end, 1),
@@ -119,6 +132,7 @@ SPAN_DAMAGE = {
     "stray_placeholder": (_stray, None),
     "same_ref_twice": (_twice, 1),
     "size_not_the_span": (_other_size, 0),
+    "touching_images": (_touching, 1),
 }
 
 
@@ -150,6 +164,7 @@ def test_placeholder_sizes_come_only_from_checked_refs(tmp_path, small_processor
         with pytest.raises(mmstore.InvalidRolloutError, match=match) as info:
             load(store, small_processor, missing="placeholder_zero_loss")
         assert info.value.file == path and info.value.sample_id == row["sample_id"]
+        store.table.remove_files(lambda f, path=path: f.path == path)  # out of the store
         store.backend.delete(path)
 
 

@@ -18,8 +18,11 @@ def test_create_writes_a_manifest_and_reopens(tmp_path):
     store = mmstore.Store.open(root, create=True)
     assert store.root == str(root)
     manifest = json.loads((root / MANIFEST).read_text())
-    assert manifest["format_version"] == FORMAT_VERSION == 1
+    assert manifest["format_version"] == FORMAT_VERSION == 2
     assert manifest["hash_algorithm"] == "xxh3-128"
+    # Format 2: the rollouts are a Delta table, created empty with the store (version 0).
+    assert store.table.latest_version() == 0 and store.files() == []
+    assert (root / "rollouts" / "_delta_log" / f"{0:020d}.json").is_file()
     again = mmstore.Store.open(str(root))
     assert again.manifest == manifest
     # create=True on an existing store opens it; the manifest is not rewritten.
@@ -49,7 +52,7 @@ def test_create_refuses_a_directory_holding_other_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("format_version", 2), ("format_version", None), ("hash_algorithm", "md5")]
+    ("key", "value"), [("format_version", 3), ("format_version", None), ("hash_algorithm", "md5")]
 )
 def test_unknown_manifest_is_refused(tmp_path, key, value):
     root = tmp_path / "store"
@@ -58,6 +61,18 @@ def test_unknown_manifest_is_refused(tmp_path, key, value):
     (root / MANIFEST).write_text(json.dumps({**manifest, key: value}))
     with pytest.raises(mmstore.SchemaVersionError, match=str(value)):
         mmstore.Store.open(root)
+
+
+def test_a_format_1_store_says_how_to_upgrade(tmp_path):
+    root = tmp_path / "old"
+    mmstore.Store.open(root, create=True)
+    manifest = json.loads((root / MANIFEST).read_text())
+    (root / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(mmstore.UpgradeRequiredError, match=f"mmstore upgrade {root}") as err:
+        mmstore.Store.open(root)
+    assert isinstance(err.value, mmstore.SchemaVersionError) and err.value.root == str(root)
+    with pytest.raises(mmstore.UpgradeRequiredError):
+        mmstore.Store.open(root, create=True)  # create never rewrites an existing store
 
 
 def test_manifest_that_is_not_json_is_not_a_store(tmp_path):
@@ -90,7 +105,8 @@ def test_s3_create_reopen_and_refusals(s3_options):
     assert store.root == root
     with fs.open_input_stream(f"{bucket}/runs/store/{MANIFEST}") as f:
         manifest = json.loads(f.read())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
+    assert store.table.latest_version() == 0
     assert mmstore.Store.open(root, s3_options=s3_options).manifest == manifest
 
     with fs.open_output_stream(f"{bucket}/other/data.bin") as f:

@@ -162,19 +162,23 @@ def _undeletable(monkeypatch, name):
 def test_release_run_reports_files_it_could_not_delete(store, adapter, monkeypatch):
     kept, gone = store.put_media(image_bytes(7)), store.put_media(image_bytes(8))
     [stuck] = commit(store, adapter, "a", 0, [[kept]])
-    commit(store, adapter, "a", 1, [[gone]])
+    [freed] = commit(store, adapter, "a", 1, [[gone]])
     _undeletable(monkeypatch, os.path.basename(stuck))
     with pytest.raises(mmstore.DeleteFailedError) as info:
         mmstore.release_run(store, "a", grace_seconds=0)
     monkeypatch.undo()
     assert info.value.files == [stuck] and isinstance(info.value, OSError)
-    assert [f.path for f in store.rollout_files()] == [stuck]  # still committed
-    assert store.backend.stat(kept.uri) is not None  # and its media never swept
+    # The rows left the latest version; the file that survived its delete keeps its media.
+    assert store.files() == []
+    assert store.backend.stat(stuck) is not None and store.backend.stat(freed) is None
+    assert store.backend.stat(kept.uri) is not None  # its media never swept
+    assert store.backend.stat(gone.uri) is None
     assert mmstore.verify(store).ok
     # Once the delete can succeed, releasing again finishes the job.
     report = mmstore.release_run(store, "a", grace_seconds=0)
-    assert report.removed_files == [stuck]
-    assert sorted(report.gc.deleted) == sorted([kept.uri, gone.uri])
+    assert report.removed_files == [] and report.gc.rollout_files_deleted == [stuck]
+    assert report.gc.deleted == [kept.uri]
+    assert store.backend.stat(stuck) is None
 
 
 def test_cli_release_exits_non_zero_when_a_delete_fails(store, adapter, monkeypatch, capsys):
@@ -253,9 +257,11 @@ def test_fifo_rollout_file_is_refused_without_blocking(store, adapter):
     path = store.backend.abspath(rel)
     os.unlink(path)
     os.mkfifo(path)
-    # Only regular files are committed files: a FIFO is neither listed nor opened.
-    assert store.rollout_files() == []
-    assert _with_deadline(lambda: mmstore.verify(store)).files_checked == 0
+    # The version still lists the file; in its place a FIFO is reported, never opened.
+    assert [f.path for f in store.files()] == [rel]
+    report = _with_deadline(lambda: mmstore.verify(store))
+    assert not report.ok and [p.file for p in report.problems] == [rel]
+    assert "not a regular file" in report.problems[0].message
     with pytest.raises(mmstore.CorruptFileError, match="not a regular file"):
         _with_deadline(lambda: _refscan.open_rollout_file(store, rel))
 

@@ -417,12 +417,33 @@ def test_results_are_plain_data_that_pickle(table):
 
 
 def test_a_forked_child_gets_a_typed_error_instead_of_a_panic(table):
-    table.commit([write_part(table.storage, "r", 0, "a")])
+    file = write_part(table.storage, "r", 0, "a")
+    table.commit([file])
     report = run_workers("fork-guard", table.storage.root)
-    assert report["delta"] == "TableForkError", report
+    assert report["delta"] == "TableForkError", report  # a commit needs delta-rs: refused
     assert "forked child" in report["message"]
     assert report["log_entry_version"] == 1  # reading the log's JSON needs no delta-rs
+    # Reading a version replays the log without delta-rs: the parent's answer.
+    assert report["latest_in_child"] == 1 and report["files_in_child"] == [file.path]
     assert report["parent_after_fork"] == 1
+
+
+def test_replaying_the_log_without_delta_rs_gives_every_versions_files(table):
+    """Commits, removals and checkpoints (every 5 versions here): the Python replay agrees
+    with delta-rs on every version, and on the latest."""
+    for step in range(12):
+        table.commit([write_part(table.storage, "keep" if step % 3 else "gone", step, f"f{step}")])
+        if step == 7:
+            table.remove_run("gone")
+    latest = table.latest_version()
+    assert latest == 13
+    for version in range(latest + 1):
+        assert table.replay(version) == table.snapshot(version), version
+    assert table.replay() == table.snapshot()
+    with pytest.raises(mmstore.TableVersionError, match="no version 14"):
+        table.replay(14)
+    with pytest.raises(mmstore.TableNotFoundError):
+        RolloutTable(Storage.open(table.storage.root + "-none", create=True)).replay()
 
 
 def test_s3_options_translate_to_delta_rs_options(monkeypatch):

@@ -76,10 +76,48 @@ def test_verify_reports_a_truncated_file_and_checks_the_rest(damaged):
     os.unlink(store.backend.abspath(media["resized"].uri))
     for check_hashes in (True, False):
         report = mmstore.verify(store, check_hashes=check_hashes)
+        # The log records each file's size: a truncated file is told apart from the one
+        # the table committed without reading it.
         assert [where(p) for p in report.problems] == [
-            ("unreadable_file", files[1], "r1", 1, None, None),
+            ("size_mismatch", files[1], "r1", 1, None, None),
             ("missing_media", files[2], "r1", 2, "r1-2-0", 0),
         ]
+        assert f"records {os.path.getsize(full) + 9}" in report.problems[0].message
+
+
+def test_verify_reports_an_unreadable_file_of_the_logged_size(damaged):
+    store, files, _ = damaged
+    full = store.backend.abspath(files[1])
+    size = os.path.getsize(full)
+    with open(full, "r+b") as f:
+        f.write(b"\0" * (size // 2))  # same size, pages overwritten
+    report = mmstore.verify(store)
+    assert [where(p) for p in report.problems] == [
+        ("unreadable_file", files[1], "r1", 1, None, None)
+    ]
+
+
+def test_verify_checks_that_the_log_and_the_files_agree(damaged, adapter):
+    store, files, _ = damaged
+    os.unlink(store.backend.abspath(files[2]))  # listed, gone
+    # An orphan: a file no version lists (a writer killed between rename and commit).
+    orphan = "rollouts/run_id=r1/step=9/part-orphan-00000.parquet"
+    os.makedirs(os.path.dirname(store.backend.abspath(orphan)))
+    with open(store.backend.abspath(files[0]), "rb") as src:
+        store.backend.write_atomic(orphan, src.read())
+    assert [where(p) for p in mmstore.verify(store).problems] == [
+        ("missing_file", files[2], "r1", 2, None, None)
+    ]  # the orphan is younger than the grace period: gc would keep it too
+    report = mmstore.verify(store, grace_seconds=0)
+    assert [where(p) for p in report.problems] == [
+        ("missing_file", files[2], "r1", 2, None, None),
+        ("orphan_file", orphan, "r1", 9, None, None),
+    ]
+    # gc deletes exactly what verify reports as orphans, and then they agree again.
+    assert mmstore.gc(store, grace_seconds=0).rollout_files_deleted == [orphan]
+    assert [p.kind for p in mmstore.verify(store, grace_seconds=0).problems] == ["missing_file"]
+    # An older version still lists what it listed; verify checks it as it was.
+    assert mmstore.verify(store, version=2).ok
 
 
 def test_verify_reports_schema_versions_untrusted_uris_duplicates_and_pins(
@@ -113,6 +151,7 @@ def test_verify_reports_schema_versions_untrusted_uris_duplicates_and_pins(
         old.replace_schema_metadata({b"mmstore.schema_version": b"99"}),
         store.backend.abspath(future),
     )
+    rows.commit_existing(store, future)  # as a later mmstore would have committed it
     mmstore.pin(store, "keep", [inside.hash, "f" * 32])
 
     report = mmstore.verify(store, check_hashes=False)

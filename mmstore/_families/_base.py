@@ -287,7 +287,9 @@ class Family(ABC):
     def check_output(
         self, outputs: Mapping[str, Any], ref: ImageRef, *, sample_id: str | None, image_index: int
     ) -> None:
-        """Refuse processor output that does not fill the stored span exactly."""
+        """Refuse processor output that does not fill the stored span exactly, or whose
+        integer tensors (grids, sizes) are not those of the ref's size: a count alone passes
+        a transposed grid (an image turned a quarter against its ref: other pixels)."""
         produced = self.output_tokens(outputs)
         if produced != ref.length:
             raise LayoutMismatchError(
@@ -296,6 +298,16 @@ class Family(ABC):
                 image_index=image_index,
                 uri=ref.uri,
             )
+        for key, expected in self.integer_tensors(ref.width, ref.height).items():
+            got = np.asarray(outputs[key])
+            if got.shape != expected.shape or (got != expected).any():
+                raise LayoutMismatchError(
+                    f"processor output has {key} {got.tolist()}, a {ref.width}x{ref.height} "
+                    f"image lays out as {expected.tolist()}",
+                    sample_id=sample_id,
+                    image_index=image_index,
+                    uri=ref.uri,
+                )
 
     # -- the model's inputs -----------------------------------------------------------
 

@@ -15,6 +15,12 @@ image back out. Positions are 1-D RoPE.
 The token layout depends on the *processor's* patch size and merge, not on the image
 processor's own ``patch_size``: ``PixtralProcessor`` passes ``patch_size * merge`` to the image
 processor on every call, and so does :meth:`Pixtral.processor_kwargs`.
+
+An image processor alone does not know the merge (Pixtral-12B's 1 and Mistral 3's 2 share
+the image processor class; with its defaults a 1920x1080 image is 594 tokens at merge 2 and
+2340 at merge 1). It is never guessed: an image processor alone must carry it
+(``PixtralImageProcessor(..., spatial_merge_size=2)``, which transformers keeps and saves
+with its config), else the adapter is refused and asks for the full processor.
 """
 
 from __future__ import annotations
@@ -28,11 +34,6 @@ from mmstore._exceptions import ImageSizeError, LayoutMismatchError, Unsupported
 from mmstore._families._base import Collation, Family, Layout, Token, size_value
 from mmstore._format.models import ImageRef
 
-# The processor's spatial merge with an image processor alone, which does not know it:
-# Mistral-Small-3.1 / 3.2 (Mistral3ForConditionalGeneration) publish patch_size 14,
-# spatial_merge_size 2 and longest_edge 1540 (their processor_config.json and params.json
-# "vision_encoder"). Pixtral-12B (merge 1) needs its full processor.
-PUBLISHED_SPATIAL_MERGE_SIZE = 2
 PIXTRAL_PROCESSOR = "transformers.models.pixtral.processing_pixtral.PixtralProcessor"
 
 
@@ -87,12 +88,18 @@ class Pixtral(Family):
         # PixtralProcessor and vLLM size images by longest_edge only; a height/width box is a
         # layout neither of them counts tokens for.
         longest_edge = size_value(image_processor.size, "longest_edge")
+        own_merge = getattr(image_processor, "spatial_merge_size", None)
         if processor is image_processor:
             patch_size = _square(image_processor.patch_size, kind)
-            merge = PUBLISHED_SPATIAL_MERGE_SIZE
+            merge = _merge_of_image_processor(own_merge, kind)
         elif _qualname(type(processor)) == PIXTRAL_PROCESSOR:
             patch_size = _square(processor.patch_size, type(processor).__name__)
             merge = int(processor.spatial_merge_size)
+            if own_merge is not None and own_merge != merge:
+                raise UnsupportedProcessorError(
+                    f"{kind} says spatial_merge_size={own_merge!r} but its "
+                    f"{type(processor).__name__} merges {merge}: the layout is ambiguous"
+                )
         else:
             # Other processors wrap Pixtral's image processor with their own token math
             # (LightOnOCR sizes images by the image processor's patch): exact class only.
@@ -195,8 +202,8 @@ class Pixtral(Family):
     def check_output(
         self, outputs: Mapping[str, Any], ref: ImageRef, *, sample_id: str | None, image_index: int
     ) -> None:
-        # The token count alone would pass a transposed or differently rounded grid.
-        super().check_output(outputs, ref, sample_id=sample_id, image_index=image_index)
+        # The token count alone would pass a transposed or differently rounded grid; the
+        # pixels' own shape too, which the base check of the sizes does not look at.
         expected = self.resized(ref.width, ref.height)
         got = tuple(int(x) for x in np.asarray(outputs["image_sizes"]).reshape(-1, 2)[0])
         pixels = tuple(outputs["pixel_values"].shape[-2:])
@@ -208,6 +215,23 @@ class Pixtral(Family):
                 image_index=image_index,
                 uri=ref.uri,
             )
+        super().check_output(outputs, ref, sample_id=sample_id, image_index=image_index)
+
+
+def _merge_of_image_processor(merge: Any, kind: str) -> int:
+    """The spatial merge an image processor alone carries; refused if it carries none."""
+    if merge is None:
+        raise UnsupportedProcessorError(
+            f"{kind} alone does not say how many patches one [IMG] token merges (Pixtral-12B: "
+            "1, Mistral 3: 2x2), and the token layout depends on it: pass the full "
+            "PixtralProcessor (AutoProcessor.from_pretrained), or give the image processor "
+            f"the model's spatial_merge_size ({kind}(..., spatial_merge_size=2))"
+        )
+    if isinstance(merge, bool) or not isinstance(merge, int):
+        raise UnsupportedProcessorError(
+            f"{kind} has spatial_merge_size={merge!r}: a positive int is needed"
+        )
+    return merge
 
 
 def _square(patch_size: Any, owner: str) -> int:

@@ -1,4 +1,14 @@
-"""Media bytes: content hash, deterministic encoding, safe decoding."""
+"""Media bytes: content hash, deterministic encoding, safe decoding.
+
+An image means what a viewer shows: its pixels turned upright by its EXIF orientation (a
+phone photo's tag 1-8), as Pillow's ``ImageOps.exif_transpose`` turns them, which is what
+vLLM (on image bytes and on the PIL images a prompt hands it), transformers' ``load_image``
+and TorchCodec give a model. Every reader here agrees: :func:`probe` reports the upright
+size (a ref's width and height, from which its span was laid out), :func:`decode_rgb` and
+:func:`decode_rgb_tensor` give the upright pixels (metadata dropped, so no engine turns them
+again), and in-memory images are turned upright before they are stored (:func:`as_pil`).
+Stored bytes stay as they came (``put_image(path)`` keeps a photo's bytes and its tag).
+"""
 
 from __future__ import annotations
 
@@ -41,6 +51,31 @@ EXTENSIONS = {ext for exts in FORMAT_EXTENSIONS.values() for ext in exts}
 # MPO has no opener of its own: Pillow's JPEG opener returns MPO files as such.
 FORMATS = tuple(f for f in FORMAT_EXTENSIONS if f != "MPO")
 
+ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
+# Orientation -> the transpose that turns the stored pixels upright (ImageOps.exif_transpose's
+# table); 1 and anything else: none.
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+# Where a PNG may state an orientation Pillow reads: an eXIf chunk, ImageMagick's text profile
+# and XMP (their chunk type or keyword is never compressed). Without any of them a PNG has
+# none, and its header is all a probe reads; with one, Pillow decodes it to find the chunks.
+_PNG_ORIENTATION_SOURCES = (b"eXIf", b"Raw profile type exif", b"XML:com.adobe.xmp")
+# Formats whose Pillow plugin turns the image itself: the size it opens with is upright, and
+# loading turns the pixels (and drops the tag).
+_TURNED_BY_PILLOW = frozenset({"TIFF"})
+# The ``info`` keys Pillow's ``getexif`` reads an orientation from, in any format.
+_ORIENTATION_KEYS = ("exif", "Raw profile type exif", "XML:com.adobe.xmp", "xmp")
+# What TorchCodec reads an orientation from (a JPEG's Exif APP1, a PNG's eXIf chunk), with its
+# own parser: bytes holding either go through Pillow's, so that one parser decides everywhere.
+_TORCHCODEC_EXIF = {"JPEG": b"Exif\x00\x00", "PNG": b"eXIf"}
+
 
 def content_hash(data: bytes | memoryview) -> str:
     """xxh3-128 of the bytes, as 32 lowercase hex digits."""
@@ -74,12 +109,26 @@ def encode_image(image: Image.Image, fmt: str = "png", quality: int = 95) -> tup
 def probe(
     data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, where: str | None = None
 ) -> tuple[str, int, int]:
-    """``(format, width, height)`` from the header, refusing non-images and bombs."""
+    """``(format, width, height)`` of the upright image, refusing non-images and bombs.
+
+    The size is the image as shown: a tag that turns it a quarter (orientations 5-8) swaps
+    the stored width and height. Read from the header (and, for a PNG that may state an
+    orientation, its chunks).
+    """
+    fmt, width, height, _ = _header(data, max_pixels=max_pixels, where=where)
+    return fmt, width, height
+
+
+def _header(data: bytes, *, max_pixels: int, where: str | None) -> tuple[str, int, int, int]:
+    """``(format, upright width, upright height, orientation)``, refusing non-images and
+    bombs before anything is decoded."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data), formats=FORMATS) as im:
                 fmt, (width, height) = im.format or "", im.size
+                within = width * height <= max_pixels
+                orientation = _orientation(im, data) if within else 1
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
@@ -88,31 +137,94 @@ def probe(
             f"{_pillow_reason(exc)}",
             uri=where,
         ) from None
-    if width * height > max_pixels:
+    if not within:
         raise DecompressionBombError(
             f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}",
             uri=where,
         )
-    return fmt, width, height
+    if orientation >= 5 and fmt not in _TURNED_BY_PILLOW:  # a quarter turn, or a transpose
+        width, height = height, width
+    return fmt, width, height, orientation
+
+
+def _orientation(image: Image.Image, data: bytes | None = None) -> int:
+    """The EXIF orientation Pillow's ``exif_transpose`` applies to ``image`` (2-8), else 1.
+
+    ``data``, the bytes ``image`` was opened from, spares a PNG without any orientation
+    source the decode Pillow's ``getexif`` does to look for chunks after its pixels.
+    Unreadable metadata is no orientation, as vLLM treats it.
+    """
+    if data is not None and image.format == "PNG" and not _png_may_orient(data):
+        return 1
+    try:
+        value = image.getexif().get(ORIENTATION_TAG, 1)
+    except Exception:  # malformed EXIF or XMP: Pillow's many parse errors
+        return 1
+    return value if isinstance(value, int) and value in _UPRIGHT else 1
+
+
+def _png_may_orient(data: bytes) -> bool:
+    return any(source in data for source in _PNG_ORIENTATION_SOURCES)
+
+
+def upright(image: Image.Image, orientation: int | None = None) -> Image.Image:
+    """``image`` turned upright by its EXIF orientation (or ``orientation``); unchanged if it
+    has none. A turned image keeps no orientation: nothing downstream can turn it twice."""
+    if orientation is None:
+        image.load()  # first, as exif_transpose does: a TIFF turns itself as it loads
+        orientation = _orientation(image)
+    method = _UPRIGHT.get(orientation)
+    if method is None:
+        return image
+    turned = image.transpose(method)
+    for key in _ORIENTATION_KEYS:  # transpose copies info, the orientation with it
+        turned.info.pop(key, None)
+    return turned
 
 
 def decode_rgb(
     data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, where: str | None = None
 ) -> Image.Image:
-    """Decode to an RGB PIL image, checking the pixel limit before decoding any pixel."""
-    probe(data, max_pixels=max_pixels, where=where)
+    """Decode to an upright RGB PIL image, checking the pixel limit before decoding any pixel.
+
+    Metadata is dropped (``info`` is empty): the pixels are the image as shown, and an engine
+    that applies EXIF orientation itself (vLLM does, to PIL images too) finds none to apply.
+    """
+    _header(data, max_pixels=max_pixels, where=where)
+    return _decode_pil(data, where)
+
+
+def _decode_pil(data: bytes, where: str | None) -> Image.Image:
+    """Pillow's pixels, upright. The orientation is read once they are loaded, as
+    ``exif_transpose`` reads it: Pillow turns a TIFF itself as it loads (its tag then gone)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            image.load()
+            opened = Image.open(io.BytesIO(data), formats=FORMATS)
+            opened.load()
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc), uri=where) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise ImageDecodeError(
             f"image bytes do not decode: {_pillow_reason(exc)}", uri=where
         ) from None
-    return image if image.mode == "RGB" else image.convert("RGB")
+    image = upright(opened, _orientation(opened, data))
+    image = image if image.mode == "RGB" else image.convert("RGB")
+    image.info.clear()
+    return image
+
+
+def upright_bytes(
+    data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, where: str | None = None
+) -> tuple[bytes, str, int, int]:
+    """``(bytes, format, width, height)``: bytes that any reader decodes to the upright image,
+    with or without EXIF orientation support (SGLang applies none, vLLM does). ``data``
+    itself when it states no orientation; else a lossless PNG of the upright pixels."""
+    fmt, width, height, orientation = _header(data, max_pixels=max_pixels, where=where)
+    if orientation == 1:
+        return data, fmt, width, height
+    encoded, _ = encode_image(_decode_pil(data, where), "png")
+    return encoded, "PNG", width, height
 
 
 def decode_rgb_tensor(
@@ -120,22 +232,32 @@ def decode_rgb_tensor(
 ) -> torch.Tensor:
     """Decode to a uint8 RGB tensor (3, H, W), checking the pixel limit before decoding.
 
-    The same pixels as :func:`decode_rgb` (tests/test_decode.py checks every mode), straight
-    to the channels-first tensor a torchvision image processor takes: TorchCodec decodes PNG
-    (twice as fast as Pillow on screenshots) and JPEG; Pillow the rest, 16-bit PNG (which
-    TorchCodec rescales and Pillow truncates) and all of them where TorchCodec is missing.
+    The same pixels as :func:`decode_rgb` (tests/test_decode.py checks every mode and every
+    EXIF orientation), straight to the channels-first tensor a torchvision image processor
+    takes: TorchCodec decodes PNG (twice as fast as Pillow on screenshots) and JPEG; Pillow
+    the rest, 16-bit PNG (which TorchCodec rescales and Pillow truncates), images carrying
+    EXIF (TorchCodec turns them by its own reading of the tag, which need not be Pillow's)
+    and all of them where TorchCodec is missing.
     """
     import torch
 
-    fmt, _, _ = probe(data, max_pixels=max_pixels, where=where)
+    fmt, _, _, orientation = _header(data, max_pixels=max_pixels, where=where)
     decode = _torchcodec_decoder()
-    if decode is not None and (fmt == "JPEG" or (fmt == "PNG" and _png_bit_depth(data) <= 8)):
+    if decode is not None and orientation == 1 and _torchcodec_reads_as_pillow(fmt, data):
         try:
             return decode(data, mode="RGB")
         except RuntimeError as exc:
             raise ImageDecodeError(f"image bytes do not decode: {exc}", uri=where) from None
-    image = decode_rgb(data, max_pixels=max_pixels, where=where)
+    image = _decode_pil(data, where)
     return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def _torchcodec_reads_as_pillow(fmt: str, data: bytes) -> bool:
+    """Whether TorchCodec gives Pillow's pixels for these bytes: a JPEG, or an 8-bit PNG, that
+    holds no EXIF for TorchCodec to turn the image by."""
+    if fmt not in _TORCHCODEC_EXIF or (fmt == "PNG" and _png_bit_depth(data) > 8):
+        return False
+    return _TORCHCODEC_EXIF[fmt] not in data
 
 
 def warm_decoder() -> None:
@@ -179,10 +301,13 @@ def as_pil(image: Any) -> Image.Image:
     """A PIL image from the in-memory kinds ``put_image`` takes (a path is read elsewhere).
 
     Only what is unambiguous: uint8 arrays, whose layout the shape decides. Floats (0-1 or
-    0-255?) and tensors whose first and last axes both look like channels are refused.
+    0-255?) and tensors whose first and last axes both look like channels are refused. A PIL
+    image is turned upright by its EXIF orientation (one opened from a phone photo carries
+    it): what vLLM shows a model given the same image, and what the stored copy, which keeps
+    no tag, must hold.
     """
     if isinstance(image, Image.Image):
-        return image
+        return upright(image)
     array = _as_array(image)
     if array is None:
         raise InvalidArgumentError(

@@ -1,16 +1,18 @@
 """export: chosen rows and exactly the media they reference, as a new self-contained store.
 
-Selection is by partition (runs, steps), so whole committed files are chosen and copied byte
-for byte: rows, row groups and file metadata stay exact, and store-relative URIs
-(``media/ab/cd/<hash>.png``) resolve in the new store as they did in the old one.
+Selection is by partition (runs, steps) of one table version (the latest by default), so
+whole committed files are chosen and copied byte for byte: rows, row groups and file
+metadata stay exact, and store-relative URIs (``media/ab/cd/<hash>.png``) resolve in the new
+store as they did in the old one. The new store is a format-2 store: its rollouts table
+commits every copied file in one transaction, after all of them are in place.
 
 Refs to external media (absolute ``file://`` / ``s3://`` URIs under a trusted root) would
 tie the export to machines that can reach them, so their bytes are copied into the export's
 ``media/`` and the rows of those files are rewritten to the store-relative URI; only the
 ``uri`` field changes. Every media file is hash-checked when read from the source and again
 when read back from the export; every Parquet file is read back and compared too. Media is
-written before the rows that reference it, as the writer does, so an interrupted export
-leaves a valid (partial) store.
+written before the rows that reference it, and the files before the commit that lists
+them, so an interrupted export leaves a valid store (holding nothing, or everything).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from mmstore._rows.files import (
     select_files,
     where_of_file,
 )
+from mmstore._rows.runs import record_layouts, run_layouts
 from mmstore._rows.store import Store
+from mmstore._rows.table import TableFile
+from mmstore._rows.versions import commit_files
 from mmstore._rows.writer import parquet_options
 from mmstore._storage.backends import Backend
 
@@ -56,13 +61,15 @@ def export(
     progress: bool | None = None,
     *,
     s3_options: dict[str, Any] | None = None,
+    version: int | None = None,
 ) -> Store:
-    """Copy the selected rows and their media into a new store at ``dest`` (a path or
-    ``s3://`` URI, empty or absent); return it, opened. ``s3_options`` open an S3 ``dest``
-    (default: the source store's)."""
-    files = [f.path for f in select_files(store, runs, steps)]
-    if not files:
+    """Copy the selected rows of table ``version`` (None: the latest) and their media into
+    a new store at ``dest`` (a path or ``s3://`` URI, empty or absent); return it, opened.
+    ``s3_options`` open an S3 ``dest`` (default: the source store's)."""
+    selected = select_files(store, runs, steps, version=version)
+    if not selected:
         raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
+    files = [f.path for f in selected]
     media: dict[MediaKey, dict[str, Any]] = {}  # each media key -> where it is first used
     for path in files:
         _collect_refs(store, path, media)
@@ -73,8 +80,13 @@ def export(
             bar(jobs, total=len(media), desc="export: media", unit="file", progress=progress)
         )
     external = {uri: rel for (uri, _), rel in renamed.items() if uri != rel}
-    for path in bar(files, desc="export: rows", unit="file", progress=progress):
-        _copy_rollout_file(store, target, path, external)
+    copied = [
+        _copy_rollout_file(store, target, file, external)
+        for file in bar(selected, desc="export: rows", unit="file", progress=progress)
+    ]
+    for run_id in sorted({f.run_id for f in selected}):  # the writers' family rule, there too
+        record_layouts(target, run_id, run_layouts(store, run_id))
+    commit_files(target, copied)
     return target
 
 
@@ -123,13 +135,19 @@ def _copy_media(
     return key, rel
 
 
-def _copy_rollout_file(store: Store, target: Store, path: str, external: dict[str, str]) -> None:
+def _copy_rollout_file(
+    store: Store, target: Store, file: TableFile, external: dict[str, str]
+) -> TableFile:
+    """Copy one rollout file (its URIs rewritten where media was external); what commits
+    the copy."""
+    path = file.path
     data = store.backend.read(path)
     parquet = pq.ParquetFile(pa.BufferReader(data))
     uris = read_ref_columns(parquet, file=path)
     if external and set(flatten_refs(uris).column("uri").to_pylist()) & external.keys():
         data = _rewrite_uris(parquet, external)
     _write_verified(target.backend, path, data)
+    return TableFile(path, file.run_id, file.step, len(data), parquet.metadata.num_rows)
 
 
 def _write_verified(backend: Backend, rel: str, data: bytes) -> None:

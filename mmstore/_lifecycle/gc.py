@@ -1,16 +1,28 @@
-"""Reachability gc and run release.
+"""Reachability gc and run release, on the rollouts table's log.
 
-Media is deleted because nothing reaches it, never because of where it sits: roots are the
-committed rollout files (only their ``images[].hash`` leaf column is read) and the pins.
+Bytes are deleted because nothing reaches them, never because of where they sit. What a
+gc keeps:
+
+- **rollout files** still needed: every file of a version someone may still read. That is
+  the version that was the latest at ``start - grace_seconds`` (a reader that opened the
+  latest within the grace period may be reading it), every file a commit since added, and
+  every file a pin holds (``pin_rows``). A file that none of these lists (removed by
+  ``release_run`` longer ago than the grace period, or an orphan no commit ever listed: a
+  writer killed between its rename and its commit) is deleted once its own bytes are older
+  than the grace period too.
+- **media** referenced by a kept rollout file (only their ``images[].hash`` leaf column is
+  read) or held by a pin.
 
 Why concurrent writers never end up with a dangling ref
 -------------------------------------------------------
 The writer's contract: ``put_media`` writes a file, or renews the timestamp (mtime) of the
-one already there, before any row referencing it is written, and the row's file is committed
-within ``grace_seconds`` of that put. gc, with ``cutoff = start - grace_seconds``:
+one already there, before any row referencing it is written, and the row's file is written
+and committed within ``grace_seconds`` of that put. gc, with ``cutoff = start - grace``:
 
-1. lists media with their mtimes (the candidates),
-2. lists and reads the committed rollout files, then the pins (the marks),
+1. lists media with their mtimes (the candidates), then the Parquet files under
+   ``rollouts/`` with theirs,
+2. reads the log (the kept files, above) and the marks: the hashes those files reference,
+   then the pins,
 3. sweeps each unmarked candidate listed older than the cutoff, re-checking its mtime at the
    moment it is claimed: locally by renaming it into ``_staging/`` first (atomic), so a touch
    lands either before the claim, and is seen, or after it, and finds no file, so the put
@@ -19,9 +31,10 @@ within ``grace_seconds`` of that put. gc, with ``cutoff = start - grace_seconds`
 Suppose gc deletes media M that a committed row R references. M's mtime was older than the
 cutoff when claimed, so every put of M came before ``start - grace`` or after the claim. A
 put after the claim re-creates M (M is not deleted after all). A put before
-``start - grace`` means R was committed before ``start`` by the contract, so R was listed in
-step 2 and M was marked: no such M. The mtime read in step 1 alone would not do: a writer
-can touch M after step 1 and commit after step 2; the re-check at the claim catches that.
+``start - grace`` means R was committed before ``start`` by the contract, so the log read in
+step 2 lists R's file and M was marked: no such M. The same holds for R's file: deleted only
+if no version read in step 2 lists it and its bytes were written before the cutoff, so a
+writer's file is either committed before step 2 (and kept) or still within its grace.
 
 A gc killed between a claim and its decision leaves the only name of that media in
 ``_staging/``; the next gc links every such claim back first (the claim keeps the media's
@@ -35,18 +48,25 @@ keep the grace period far above any write's duration and clock skew between mach
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mmstore._exceptions import DeleteFailedError, InvalidArgumentError
+from mmstore._exceptions import (
+    DeleteFailedError,
+    InvalidArgumentError,
+    PinnedRowsError,
+)
 from mmstore._format.media import media_path
-from mmstore._lifecycle.pins import pinned_hashes
-from mmstore._rows.files import media_hash, referenced_hashes, select_files
+from mmstore._lifecycle.pins import PinRecord, read_pin_records
+from mmstore._rows.files import media_hash, referenced_hashes, select_from
+from mmstore._rows.runs import run_dir
 from mmstore._rows.store import Store
+from mmstore._rows.versions import added_after, version_at, version_files
 from mmstore._rows.writer import check_partition
 from mmstore._storage.backends import STAGING, Backend, FileStat, LocalBackend
 from mmstore._storage.store import MEDIA, ROLLOUTS
@@ -54,6 +74,9 @@ from mmstore._storage.store import MEDIA, ROLLOUTS
 # Deletes are I/O bound (one or two S3 round trips each); a few threads hide the latency.
 SWEEP_THREADS = 16
 CLAIM_PREFIX = "gc-claim-"
+# Written before a release removes a run's rows, removed when it is done: a release killed
+# after the rows went finds it and finishes (the gc).
+RELEASE_MARKER = "release.json"
 
 
 @dataclass(frozen=True)
@@ -66,10 +89,14 @@ class GcReport:
     bytes_kept: int
     staging_cleared: list[str]
     dry_run: bool
-    referenced: int  # distinct hashes marked by rollout files and pins
-    files_scanned: int = 0  # committed rollout files read
+    referenced: int  # distinct hashes marked by kept rollout files and pins
+    files_scanned: int = 0  # kept rollout files read for their media
     pinned: int = 0  # distinct hashes the pins hold
     grace_seconds: float = 0.0
+    table_version: int | None = None  # the latest version when gc read the log
+    rollout_files_deleted: list[str] = field(default_factory=list)  # no version needs them
+    rollout_bytes_freed: int = 0
+    rollout_files_kept: int = 0  # Parquet files kept (needed, pinned or within grace)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +105,10 @@ class GcReport:
 @dataclass(frozen=True)
 class ReleaseReport:
     run_id: str
-    removed_files: list[str]  # committed rollout files removed (or that would be)
+    removed_files: list[str]  # rollout files removed from the latest version (or that would be)
     gc: GcReport
     dry_run: bool
+    version: int | None = None  # the table version that removed them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,51 +120,84 @@ def gc(
     dry_run: bool = False,
     progress: bool | None = None,
 ) -> GcReport:
-    """Delete media that no committed rollout file or pin references and that is older than
-    ``grace_seconds``, and ``_staging/`` leftovers older than that. See the module docstring
-    for why this is safe next to running writers."""
-    return _collect(store, grace_seconds, dry_run, progress, ignore_files=frozenset())
+    """Delete what nothing needs and that is older than ``grace_seconds``: media that no
+    kept rollout file or pin references, rollout files that no version still needed lists
+    (see the module docstring), and ``_staging/`` leftovers. Safe next to running writers
+    and readers. Raises :class:`DeleteFailedError` naming the rollout files that survived
+    their delete (their media is kept), after doing everything else."""
+    report = _collect(store, grace_seconds, dry_run, progress)
+    _raise_failed(report, _failed(store, report))
+    return report
 
 
 def release_run(
-    store: Store, run_id: str, grace_seconds: float = 3600, dry_run: bool = False
+    store: Store,
+    run_id: str,
+    grace_seconds: float = 3600,
+    dry_run: bool = False,
+    *,
+    force: bool = False,
 ) -> ReleaseReport:
-    """Remove run ``run_id``'s rollout partitions, then gc: media still referenced by other
-    runs or pins stays. A dry run removes nothing and reports what a real one would.
+    """Remove run ``run_id``'s rows from the latest table version (a Delta remove; versions
+    before it still list them), then gc: their bytes and media go once no version
+    something needs lists them (after ``grace_seconds``; ``grace_seconds=0`` frees them
+    now), media other runs or pins reference stays. A dry run changes nothing and reports
+    what a real one would.
 
-    A run the store does not hold raises :class:`NoMatchError` naming the runs it does.
-    Raises :class:`DeleteFailedError` naming the files that survived their delete
-    (permissions, immutable, busy), before any gc: they stay committed and visible, and
-    their media is never swept. Removing what blocks them and calling it again finishes.
+    A run the latest version does not hold raises :class:`NoMatchError` naming the runs it
+    does (unless a release of it was interrupted: then this one finishes it). Rows a pin
+    holds raise :class:`PinnedRowsError` naming the pin, unless ``force`` (the pin then
+    keeps its copy). Rollout files that survive their delete raise
+    :class:`DeleteFailedError` naming them (their media is kept); calling it again finishes.
     """
     check_partition(run_id, 0)
-    run_dir = f"{ROLLOUTS}/run_id={run_id}"
-    # Raises NoMatchError naming the runs there are: releasing a typo must not look done.
-    files = [f.path for f in select_files(store, runs=[run_id])]
+    latest = version_files(store)
+    files = [f.path for f in latest.files if f.run_id == run_id]
+    marker = f"{run_dir(run_id)}/{RELEASE_MARKER}"
+    if not files and store.backend.stat(marker) is None:
+        select_from(latest, [run_id], root=store.root)  # NoMatchError naming the runs held
+    if files and not force:
+        _refuse_pinned(read_pin_records(store), run_id, set(files))
     if dry_run:
-        report = _collect(store, grace_seconds, True, None, ignore_files=frozenset(files))
-        return ReleaseReport(run_id=run_id, removed_files=files, gc=report, dry_run=True)
-    for path in files:
-        with contextlib.suppress(OSError):  # what survives is found by listing again
-            store.backend.delete(path)
-    with contextlib.suppress(OSError):  # empty partition directories, staging debris
-        store.backend.delete_tree(run_dir)
-    # Trust the listing, not the deletes: a file still listed is still committed.
-    survivors = _run_files(store, run_dir)
-    if survivors:
-        raise DeleteFailedError(
-            f"{len(survivors)} of {len(files)} rollout files of run {run_id!r} could not be "
-            "deleted; they stay committed, and no media was collected",
+        report = _collect(store, grace_seconds, True, None, removing=frozenset(files))
+        return ReleaseReport(run_id, files, report, True, None)
+    version = None
+    if files:
+        store.backend.write_atomic(marker, json.dumps({"run_id": run_id}).encode())
+        version = store.table.remove_run(run_id).version
+    report = _collect(store, grace_seconds, False, None)
+    _raise_failed(report, _failed(store, report), run_id=run_id)
+    store.backend.delete(marker)
+    return ReleaseReport(run_id, files, report, False, version)
+
+
+def _refuse_pinned(pins: dict[str, PinRecord], run_id: str, files: set[str]) -> None:
+    holding = sorted(name for name, pin in pins.items() if pin.files & files)
+    if holding:
+        raise PinnedRowsError(
+            f"pin(s) {', '.join(map(repr, holding))} hold rows of run {run_id!r}: unpin them "
+            "first, or release with force=True (the pins then keep their copy)",
             run_id=run_id,
-            files=survivors,
+            pins=holding,
         )
-    # gc lists the committed files itself, so anything (re)committed meanwhile keeps its media.
-    report = _collect(store, grace_seconds, False, None, ignore_files=frozenset())
-    return ReleaseReport(run_id=run_id, removed_files=files, gc=report, dry_run=False)
 
 
-def _run_files(store: Store, run_dir: str) -> list[str]:
-    return [f.path for f in store.rollout_files() if f.path.startswith(run_dir + "/")]
+def _failed(store: Store, report: GcReport) -> list[str]:
+    """The rollout files gc meant to delete that are still there."""
+    if report.dry_run:
+        return []
+    return [p for p in report.rollout_files_deleted if store.backend.stat(p) is not None]
+
+
+def _raise_failed(report: GcReport, failed: list[str], run_id: str | None = None) -> None:
+    if failed:
+        raise DeleteFailedError(
+            f"{len(failed)} rollout files that no version needs could not be deleted "
+            "(permissions, immutable, busy); their media was kept: remove what blocks them "
+            "and run gc again",
+            run_id=run_id,
+            files=failed,
+        )
 
 
 def _collect(
@@ -144,20 +205,32 @@ def _collect(
     grace_seconds: float,
     dry_run: bool,
     progress: bool | None,
-    ignore_files: frozenset[str],
+    removing: frozenset[str] = frozenset(),
 ) -> GcReport:
+    """One gc. ``removing``: files a dry-run release would remove from the latest version
+    now (kept while within the grace period, as removed files are)."""
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int | float):
         raise InvalidArgumentError(f"grace_seconds must be a number, got {grace_seconds!r}")
     if grace_seconds < 0:
         raise InvalidArgumentError(f"grace_seconds must be >= 0, got {grace_seconds}")
-    cutoff = time.time() - grace_seconds
+    now = time.time()
+    cutoff = now - grace_seconds
     if not dry_run:
         _restore_claims(store)
-    # Order matters (module docstring): candidates first, then the marks.
+    # Order matters (module docstring): candidates first (media, then Parquet), then marks.
     media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]
-    files = [f.path for f in store.rollout_files() if f.path not in ignore_files]
-    marked = referenced_hashes(store, files, progress=progress, desc="gc: mark")
-    pinned = pinned_hashes(store)
+    parquet = store.listed_rollout_files()
+    pins = read_pin_records(store)
+    latest, needed = needed_files(store, cutoff, pins)
+    if removing and cutoff >= now:
+        needed -= removing
+    doomed = [f for f in parquet if f.path not in needed and f.mtime < cutoff]
+    if not dry_run:
+        _delete_rollout_files(store, doomed)
+    survivors = {f.path for f in doomed if not dry_run and store.backend.stat(f.path)}
+    kept_files = sorted(needed | survivors)  # a survivor's media stays with it
+    marked = referenced_hashes(store, kept_files, progress=progress, desc="gc: mark")
+    pinned = set().union(*(pin.hashes for pin in pins.values()))
     marked |= pinned
     candidates = [m for m in media if media_hash(m.path) not in marked and m.mtime < cutoff]
     if dry_run:
@@ -180,10 +253,42 @@ def _collect(
         staging_cleared=sorted(stale),
         dry_run=dry_run,
         referenced=len(marked),
-        files_scanned=len(files),
+        files_scanned=len(kept_files),
         pinned=len(pinned),
         grace_seconds=float(grace_seconds),
+        table_version=latest,
+        rollout_files_deleted=sorted(f.path for f in doomed),
+        rollout_bytes_freed=sum(f.size for f in doomed if f.path not in survivors),
+        rollout_files_kept=len(parquet) - len(doomed) + len(survivors),
     )
+
+
+def needed_files(store: Store, cutoff: float, pins: dict[str, PinRecord]) -> tuple[int, set[str]]:
+    """The latest version, and every rollout file a version someone may read lists: the
+    version that was the latest at ``cutoff``, the files added since, and the pins'."""
+    latest = version_files(store)
+    at_cutoff = version_at(store, cutoff * 1000, latest.version)
+    needed = {f.path for f in latest.files}
+    if at_cutoff != latest.version:
+        needed |= {f.path for f in version_files(store, at_cutoff).files}
+        needed |= added_after(store, at_cutoff)
+    for pin in pins.values():
+        needed |= pin.files
+    return latest.version, needed
+
+
+def _delete_rollout_files(store: Store, files: list[FileStat]) -> None:
+    """Delete rollout files no version needs (a failure is found by the caller's stat),
+    then the partition directories left empty (locally)."""
+    for file in files:
+        with contextlib.suppress(OSError):
+            store.backend.delete(file.path)
+    if isinstance(store.backend, LocalBackend):
+        for directory in sorted({f.path.rsplit("/", 1)[0] for f in files}, reverse=True):
+            for part in (directory, directory.rsplit("/", 1)[0]):  # step=…, then run_id=…
+                if part.startswith(f"{ROLLOUTS}/run_id="):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(store.backend.abspath(part))
 
 
 def _stale(backend: Backend, entry: FileStat, cutoff: float) -> bool:

@@ -1,9 +1,16 @@
-"""Pins: named sets of media hashes that gc keeps alive, stored as ``pins/<name>.json``.
+"""Pins: what gc keeps alive however unreferenced, stored as ``pins/<name>.json``.
 
-A pin is how something outside the committed rollout files holds on to media: a trainer
-checkpoint's pending buffer, a debug dump that still points into the store, the rows of a
-run about to be released. It protects its media from every gc that starts after ``pin``
-returns; it cannot bring back media that is already gone (``verify`` reports that).
+A pin is how something outside the latest table version holds on to data:
+
+- :func:`pin` holds media hashes (a trainer checkpoint's pending buffer, a debug dump that
+  still points into the store);
+- :func:`pin_rows` holds rows: the files of one table version (all of them, or a selection
+  by run and step) and every media hash they reference. A loader state names its version;
+  pinning that version keeps the resume readable past gc's grace period. ``release_run``
+  refuses to release rows a pin holds unless forced, and gc never deletes a pinned file.
+
+A pin protects from every gc that starts after it is written; it cannot bring back bytes
+that are already gone (``verify`` reports that).
 """
 
 from __future__ import annotations
@@ -12,17 +19,32 @@ import json
 import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError, NoMatchError
 from mmstore._format.models import ImageRef, MediaRef
-from mmstore._rows.files import HASH_RE, referenced_hashes, select_files
+from mmstore._rows.files import HASH_RE, referenced_hashes, select_from
 from mmstore._rows.store import Store
+from mmstore._rows.versions import version_files
 from mmstore._storage.store import PINS
 
 PIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PIN_FORMAT = "mmstore.pin"
-PIN_VERSION = 1
+# 2 adds the rows a pin holds (``table_version``, ``files``); a version-1 pin holds media.
+PIN_VERSION = 2
+PIN_VERSIONS = (1, 2)
+
+
+@dataclass(frozen=True)
+class PinRecord:
+    """One pin: the media hashes it holds, and the files of the table version it holds
+    (``table_version`` None and no files for a pin of media only)."""
+
+    name: str
+    hashes: frozenset[str]
+    table_version: int | None = None
+    files: frozenset[str] = frozenset()
 
 
 def pin_path(name: str) -> str:
@@ -38,15 +60,27 @@ def pin(store: Store, name: str, refs: Iterable[ImageRef | MediaRef | str]) -> s
 
     Writing a pin of an existing name replaces it atomically.
     """
+    return _write_pin(store, name, {_hash_of(ref, name) for ref in refs})
+
+
+def _write_pin(
+    store: Store,
+    name: str,
+    hashes: set[str],
+    table_version: int | None = None,
+    files: Iterable[str] = (),
+) -> str:
     rel = pin_path(name)
-    hashes = sorted({_hash_of(ref, name) for ref in refs})
-    doc = {
+    doc: dict[str, Any] = {
         "format": PIN_FORMAT,
         "version": PIN_VERSION,
         "name": name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "hashes": hashes,
+        "hashes": sorted(hashes),
     }
+    if table_version is not None:
+        doc["table_version"] = table_version
+        doc["files"] = sorted(files)
     store.backend.write_atomic(rel, json.dumps(doc, indent=0).encode())
     return rel
 
@@ -56,13 +90,20 @@ def pin_rows(
     name: str,
     runs: str | Iterable[str] | None = None,
     steps: int | range | Iterable[int] | None = None,
+    *,
+    version: int | None = None,
 ) -> str:
-    """Pin every hash the selected committed rows reference (e.g. before releasing a run)."""
+    """Hold the selected rows of table ``version`` (None: the latest): their files and every
+    media hash they reference stay until :func:`unpin` (e.g. the version a checkpoint's
+    loader state reads: ``version=loader.state_dict()["table_version"]``)."""
     pin_path(name)
-    files = select_files(store, runs, steps)
+    table = version_files(store, version)
+    files = select_from(table, runs, steps, root=store.root)
     if not files:
         raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
-    return pin(store, name, referenced_hashes(store, [f.path for f in files], progress=False))
+    paths = [f.path for f in files]
+    hashes = referenced_hashes(store, paths, progress=False)
+    return _write_pin(store, name, hashes, table.version, paths)
 
 
 def unpin(store: Store, name: str) -> None:
@@ -85,6 +126,11 @@ def pinned_hashes(store: Store) -> set[str]:
 
 def read_pins(store: Store) -> dict[str, set[str]]:
     """Every pin's hashes by name; an unreadable pin raises (gc must not guess what it keeps)."""
+    return {name: set(record.hashes) for name, record in read_pin_records(store).items()}
+
+
+def read_pin_records(store: Store) -> dict[str, PinRecord]:
+    """Every pin by name; an unreadable pin raises (gc must not guess what it keeps)."""
     pins = {}
     for stat in sorted(store.backend.list(PINS), key=lambda s: s.path):
         if not stat.path.endswith(".json"):
@@ -96,23 +142,34 @@ def read_pins(store: Store) -> dict[str, set[str]]:
             continue
         except (ValueError, RecursionError):  # RecursionError: forged, deeply nested JSON
             raise CorruptFileError("pin file is not JSON", file=stat.path) from None
-        pins[name] = _pin_hashes(doc, stat.path)
+        pins[name] = _pin_record(name, doc, stat.path)
     return pins
 
 
-def _pin_hashes(doc: Any, rel: str) -> set[str]:
+def _pin_record(name: str, doc: Any, rel: str) -> PinRecord:
     hashes = doc.get("hashes") if isinstance(doc, dict) else None
     if (
         not isinstance(doc, dict)
         or doc.get("format") != PIN_FORMAT
-        or doc.get("version") != PIN_VERSION
+        or doc.get("version") not in PIN_VERSIONS
         or not isinstance(hashes, list)
         or not all(isinstance(h, str) and HASH_RE.match(h) for h in hashes)
     ):
         raise CorruptFileError(
             f"not a {PIN_FORMAT} v{PIN_VERSION} file with a list of hashes", file=rel
         )
-    return set(hashes)
+    version, files = doc.get("table_version"), doc.get("files", [])
+    if version is not None and (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or version < 0
+        or not isinstance(files, list)
+        or not all(isinstance(f, str) for f in files)
+    ):
+        raise CorruptFileError(
+            "pin's table_version is not an int >= 0 with a list of files", file=rel
+        )
+    return PinRecord(name, frozenset(hashes), version, frozenset(files))
 
 
 def _hash_of(ref: ImageRef | MediaRef | str, name: str) -> str:

@@ -1,4 +1,10 @@
-"""verify: every committed file reads, every ref resolves, every hash matches.
+"""verify: the log and the files agree, every committed file reads, every ref resolves,
+every hash matches.
+
+The files checked are those one table version lists (the latest by default): each must be
+there with the size the log records. A Parquet file under ``rollouts/`` that no version
+something needs lists (see :mod:`.gc`) and that is older than the grace period is reported
+too: gc should have deleted it (an orphan of a killed writer, or released rows).
 
 Work is proportional to refs but Python runs per *distinct* (uri, hash, nbytes) of a file:
 refs are flattened with Arrow, checked once per distinct media, and only refs that fail are
@@ -14,6 +20,8 @@ can and cannot know without a processor), and every distinct media file is read 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -32,7 +40,8 @@ from mmstore._exceptions import (
 from mmstore._families import Family, family_for_layout, layout_for_fingerprint, layout_from_record
 from mmstore._format.media import content_hash
 from mmstore._format.schema import META_LAYOUTS, ROW_COLUMNS, check_schema_version
-from mmstore._lifecycle.pins import read_pins
+from mmstore._lifecycle.gc import needed_files
+from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._progress import bar
 from mmstore._rows.check import RowWindow
 from mmstore._rows.files import (
@@ -47,10 +56,15 @@ from mmstore._rows.files import (
     where_of_file,
 )
 from mmstore._rows.store import Store
-from mmstore._storage.backends import Backend
+from mmstore._rows.table import TableFile
+from mmstore._rows.versions import version_files
+from mmstore._storage.backends import Backend, FileStat, LocalBackend
 from mmstore._storage.store import MEDIA, PINS
 
 PROBLEM_KINDS = (
+    "missing_file",
+    "size_mismatch",
+    "orphan_file",
     "unreadable_file",
     "schema_version",
     "missing_media",
@@ -85,34 +99,110 @@ class VerifyReport:
     refs_checked: int = 0
     media_checked: int = 0  # distinct media files stat'ed (and hashed, with check_hashes)
     check_hashes: bool = True
+    table_version: int | None = None  # the version whose files were checked
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def verify(store: Store, check_hashes: bool = True, progress: bool | None = None) -> VerifyReport:
-    """Check the whole store; problems are listed by file, run, step, sample and image."""
-    # Files before media: a file committed before this listing had its media in place
+def verify(
+    store: Store,
+    check_hashes: bool = True,
+    progress: bool | None = None,
+    *,
+    version: int | None = None,
+    grace_seconds: float = 3600,
+) -> VerifyReport:
+    """Check table ``version`` (None: the latest) and the store around it; problems are
+    listed by file, run, step, sample and image. With the latest version, Parquet files no
+    needed version lists that are older than ``grace_seconds`` are reported as orphans."""
+    # Files before media: a file committed before the log was read had its media in place
     # before its commit, so the media listing below sees it even with writers running.
-    files = store.rollout_files()
+    listed = store.listed_rollout_files() if version is None else []
+    table = version_files(store, version)
     checker = _MediaChecker(store, check_hashes)
     problems: list[Problem] = []
     refs = 0
     seen_samples: dict[str, set[str]] = {}
+    sizes = {f.path: f.size for f in listed}
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        for stat in bar(files, desc="verify", unit="file", progress=progress):
-            found, count = _verify_file(store, stat.path, checker, pool, seen_samples)
+        for file in bar(table.files, desc="verify", unit="file", progress=progress):
+            found, count = _verify_listed(store, file, checker, pool, seen_samples, sizes)
             problems += found
             refs += count
-    problems += _verify_pins(store, checker)
+    pins = _read_pins(store)
+    if isinstance(pins, Problem):
+        problems.append(pins)
+    else:
+        if version is None:
+            problems += _orphans(store, listed, pins, grace_seconds)
+        problems += _verify_pins(store, pins, checker)
     return VerifyReport(
         ok=not problems,
         problems=problems,
-        files_checked=len(files),
+        files_checked=len(table.files),
         refs_checked=refs,
         media_checked=checker.checked,
         check_hashes=check_hashes,
+        table_version=table.version,
     )
+
+
+def _verify_listed(
+    store: Store,
+    file: TableFile,
+    checker: _MediaChecker,
+    pool: ThreadPoolExecutor,
+    seen_samples: dict[str, set[str]],
+    sizes: dict[str, int],
+) -> tuple[list[Problem], int]:
+    """A file the version lists: there, with the size the log records, then its rows."""
+    where = where_of_file(file.path)
+    size = sizes.get(file.path) if sizes else None
+    if size is None:
+        stat = store.backend.stat(file.path)
+        size = None if stat is None else stat.size
+    if size is None and not _exists(store, file.path):
+        return [Problem("missing_file", "the table lists this file; it is gone", **where)], 0
+    if size is not None and size != file.size:
+        message = f"the file has {size} bytes, the table's log records {file.size}"
+        return [Problem("size_mismatch", message, **where)], 0
+    return _verify_file(store, file.path, checker, pool, seen_samples)
+
+
+def _exists(store: Store, path: str) -> bool:
+    """Something is at ``path`` (a FIFO in a file's place is there, and reported unread)."""
+    backend = store.backend
+    if isinstance(backend, LocalBackend):
+        return os.path.lexists(backend.abspath(path))
+    return False
+
+
+def _read_pins(store: Store) -> dict[str, PinRecord] | Problem:
+    try:
+        return read_pin_records(store)
+    except MmstoreError as exc:  # reported, not raised: verify lists everything it finds
+        return Problem("unreadable_file", exc.message, file=exc.context.get("file", PINS))
+
+
+def _orphans(
+    store: Store, listed: list[FileStat], pins: dict[str, PinRecord], grace_seconds: float
+) -> list[Problem]:
+    """Parquet files under ``rollouts/`` that no needed version lists, older than the grace
+    period: what gc should have deleted (it deletes exactly these)."""
+    cutoff = time.time() - grace_seconds
+    _, needed = needed_files(store, cutoff, pins)
+    return [
+        Problem(
+            "orphan_file",
+            "no table version that something needs lists this Parquet file, and it is older "
+            "than the grace period (a writer killed before its commit, or released rows): "
+            "gc deletes it",
+            **where_of_file(f.path),
+        )
+        for f in listed
+        if f.path not in needed and f.mtime < cutoff
+    ]
 
 
 def _verify_file(
@@ -291,19 +381,23 @@ def _ref_problems(
     ]
 
 
-def _verify_pins(store: Store, checker: _MediaChecker) -> list[Problem]:
-    try:
-        pins = read_pins(store)
-    except MmstoreError as exc:  # reported, not raised: verify lists everything it finds
-        return [Problem("unreadable_file", exc.message, file=exc.context.get("file", PINS))]
+def _verify_pins(store: Store, pins: dict[str, PinRecord], checker: _MediaChecker) -> list[Problem]:
+    """Every hash and every rollout file a pin holds is there."""
     present = checker.present_hashes()
-    return [
+    problems = [
         Problem(
             "missing_media", f"pinned hash {digest} is not in the store", file=f"{PINS}/{name}.json"
         )
-        for name, hashes in pins.items()
-        for digest in sorted(hashes - present)
+        for name, pin in pins.items()
+        for digest in sorted(pin.hashes - present)
     ]
+    for name, pin in pins.items():
+        problems += [
+            Problem("missing_file", f"pin {name!r} holds this file; it is gone", **where_of_file(p))
+            for p in sorted(pin.files)
+            if store.backend.stat(p) is None
+        ]
+    return problems
 
 
 class _MediaChecker:

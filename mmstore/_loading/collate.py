@@ -13,7 +13,6 @@ import torch
 
 from mmstore._families import Family, expansion_array
 from mmstore._loading.device import collate_images
-from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY
 from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
 
@@ -79,11 +78,7 @@ def collate(
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         **token_types(family, input_ids),
-        **(
-            collate_images(family, images, distinct_images=distinct_images)
-            if images
-            else no_images(family, distinct_images)
-        ),
+        **collate_images(family, images, distinct_images=distinct_images),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),
@@ -101,13 +96,3 @@ def dummy(family: Family, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, t
     width, height = family.dummy_size
     tokens = torch.tensor(expansion_array(family, width, height), dtype=torch.int64)
     return tokens, cast_floats(family.placeholder(width, height), dtype)
-
-
-def no_images(family: Family, distinct_images: bool) -> dict[str, Any]:
-    """The image inputs of a batch without images: None, every model's own "no images"
-    (their vision towers cannot run on zero images: Qwen-VL, GLM-4V and Mistral 3 cat an
-    empty list, SigLIP and MoonViT reshape an empty batch)."""
-    out: dict[str, Any] = dict.fromkeys(family.image_inputs)
-    if distinct_images:
-        out.update({INDEX_KEY: torch.zeros(0, dtype=torch.int64), ROWS_KEY: {}})
-    return out

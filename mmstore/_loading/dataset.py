@@ -36,6 +36,7 @@ from mmstore._loading.node_cache import DEFAULT_NODE_CACHE_BYTES, default_direct
 from mmstore._loading.options import flag, optional_whole, seconds, whole
 from mmstore._loading.packed import PackedPlanner, PackedStream
 from mmstore._loading.prefetch import DEFAULT_PREFETCH_BYTES, default_requests
+from mmstore._loading.ranks import agreed_version
 from mmstore._loading.spec import MaterializerSource, ReadSpec
 from mmstore._loading.workers import (
     WorkerStream,
@@ -55,7 +56,10 @@ from mmstore._rows.snapshot import (
 )
 from mmstore._rows.store import Store
 
-STATE_VERSION = 1
+# 2: the state names the table version it read ("table_version"); 1 (format-1 stores):
+# files only, checked against the latest version.
+STATE_VERSION = 2
+STATE_VERSIONS = (1, 2)
 
 
 class _Part:
@@ -74,7 +78,7 @@ class _Part:
 
 
 class RolloutDataset(IterableDataset[Sample]):
-    """The committed rollouts of a store (a snapshot taken now), read for one rank.
+    """The committed rollouts of one version of a store's rollouts table, read for one rank.
 
     Building it checks every argument and every layout fingerprint in the snapshot against
     ``image_processor``, and raises :class:`InvalidArgumentError` or
@@ -91,6 +95,13 @@ class RolloutDataset(IterableDataset[Sample]):
         runs: a run id or run ids; ``None``: every run. A run the store does not hold
             raises :class:`NoMatchError`.
         steps: a step, a ``range`` or steps; ``None``: every step.
+        version: the table version to read (:attr:`version` says which was read);
+            ``None``: the latest. Under ``torch.distributed``, a dataset sharded over the
+            job's ranks (``world_size`` equal to the job's) reads the same version on every
+            rank: with ``None`` the smallest latest version any rank sees (one all-reduce;
+            every rank must build the dataset), and a version that differs across ranks
+            raises :class:`VersionMismatchError` on every rank. Another dataset (one rank's
+            evaluation set, ``world_size=1``) talks to no other rank.
 
     Order and sharding:
         shuffle: shuffle row groups, then the rows within each window of them; ``False``
@@ -154,6 +165,7 @@ class RolloutDataset(IterableDataset[Sample]):
         # what to read
         runs: Iterable[str] | None = None,
         steps: Iterable[int] | None = None,
+        version: int | None = None,
         # order and sharding
         shuffle: bool = True,
         seed: int = 0,
@@ -187,9 +199,13 @@ class RolloutDataset(IterableDataset[Sample]):
         )
         prefetch_requests = optional_whole("prefetch_requests", prefetch_requests, minimum=0)
         prefetch_bytes = _read_ahead_bound(store, prefetch_requests, prefetch_bytes)
+        version = optional_whole("version", version, minimum=0)
         self.image_processor = image_processor
         adapter = adapter_for(image_processor)
-        snapshot = take_snapshot(store, runs, steps)
+        version = agreed_version(
+            store, version, world_size=world_size, what="building a RolloutDataset"
+        )
+        snapshot = take_snapshot(store, runs, steps, version=version)
         _check_layouts(store, adapter, snapshot)
         self.spec = ReadSpec(
             store=store,
@@ -218,10 +234,22 @@ class RolloutDataset(IterableDataset[Sample]):
         self.epoch = 0
         self.position = 0
 
-    def use_snapshot(self, files: list[str]) -> None:
-        """Read exactly these committed files (a resumed run's snapshot)."""
-        if list(self.snapshot.files) != list(files):
-            snapshot = take_snapshot(self.store, files=files)
+    @property
+    def version(self) -> int:
+        """The rollouts table version this dataset reads."""
+        return int(self.snapshot.version)
+
+    def use_snapshot(self, files: list[str], version: int | None = None) -> None:
+        """Read exactly these files of table ``version`` (a resumed run's snapshot; None:
+        a state of the first format, whose files the latest version must list). The ranks
+        must name the same version (:class:`VersionMismatchError` on every rank if not)."""
+        if version is not None:
+            version = whole("table_version", version, minimum=0)
+        version = agreed_version(
+            self.store, version, world_size=self.world_size, what="loading a saved state"
+        )
+        if version != self.version or list(self.snapshot.files) != list(files):
+            snapshot = take_snapshot(self.store, files=files, version=version)
             _check_layouts(self.store, self.adapter, snapshot)
             self.spec = self.spec.with_snapshot(snapshot)
 
@@ -256,10 +284,15 @@ class RolloutDataset(IterableDataset[Sample]):
             yield sample
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "files": list(self.snapshot.files)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "table_version": self.version,
+            "files": list(self.snapshot.files),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.use_snapshot(state["files"])
+        self.use_snapshot(state["files"], state.get("table_version"))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
@@ -728,17 +761,21 @@ class RolloutLoader:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: epoch, batches yielded, the order settings, and the
+        table version and files it reads (a resume reads exactly those, whatever was
+        committed or released since; pin the version to keep its bytes past gc's grace)."""
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "batches_yielded": self.batches_yielded,
             **self._order_settings(),
+            "table_version": self.dataset.version,
             "files": list(self.dataset.snapshot.files),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was taken (any ``num_workers``)."""
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in STATE_VERSIONS:
             raise InvalidArgumentError(
                 f"loader state version {state.get('version')!r} is not supported"
             )
@@ -749,7 +786,7 @@ class RolloutLoader:
                 "loader state was taken with other settings (saved, current): "
                 + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
             )
-        self.dataset.use_snapshot(state["files"])
+        self.dataset.use_snapshot(state["files"], state.get("table_version"))
         self.epoch = int(state["epoch"])
         self.batches_yielded = int(state["batches_yielded"])
 

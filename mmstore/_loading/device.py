@@ -30,7 +30,7 @@ from mmstore._families import Family, run_processor, takes_tensors
 from mmstore._format.media import decode_rgb_tensor
 from mmstore._format.models import ImageRef
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY, distinct, rows
-from mmstore._loading.materialize import Materialized, Materializer
+from mmstore._loading.materialize import Materialized, Materializer, check_decoded_size
 from mmstore._loading.stack import batch_images
 
 #: the batch key under which a worker's batch carries its images to the device stage
@@ -87,8 +87,9 @@ class DeferredMaterializer(Materializer):
     def _decoded(self, ref: ImageRef, where: dict[str, Any]) -> PendingImage:
         data = self.media.read_media(ref.uri, ref.hash)
         pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
-        # Layout math for the decoded size: what the processor's output will hold.
-        layout = self.adapter.integer_tensors(int(pixels.shape[2]), int(pixels.shape[1]))
+        check_decoded_size(ref, int(pixels.shape[2]), int(pixels.shape[1]))
+        # Layout math for that size: what the processor's output will hold.
+        layout = self.adapter.integer_tensors(ref.width, ref.height)
         integers = {key: torch.from_numpy(value) for key, value in layout.items()}
         return PendingImage(pixels, integers, ref, where)
 
@@ -101,16 +102,29 @@ def decoded_key(ref: ImageRef) -> tuple[str, int, int, int]:
     return (ref.hash, ref.width, ref.height, ref.length)
 
 
+def no_images(family: Family, distinct_images: bool) -> dict[str, Any]:
+    """The image inputs of a batch or micro-batch without images: None, every model's own "no
+    images" (their vision towers cannot run on zero images: Qwen-VL, GLM-4V and Mistral 3 cat
+    an empty list, SigLIP and MoonViT reshape an empty batch)."""
+    out: dict[str, Any] = dict.fromkeys(family.image_inputs)
+    if distinct_images:
+        out.update({INDEX_KEY: torch.zeros(0, dtype=torch.int64), ROWS_KEY: {}})
+    return out
+
+
 def collate_images(
     family: Family, images: Sequence[Any], *, distinct_images: bool = False
 ) -> dict[str, Any]:
     """The batched image tensors (:func:`.stack.batch_images`), unless pending images are
     among them: then every image travels as it is, in order, for the device stage to process
-    and collate.
+    and collate. No images at all: :func:`no_images` (None, never zero-length tensors), for
+    padded batches and packed micro-batches alike.
 
     ``distinct_images``: each image object once, with ``image_index`` and ``image_rows``
     (:mod:`._distinct`; the device stage adds the rows of the images it processes).
     """
+    if not images:
+        return no_images(family, distinct_images)
     index = None
     if distinct_images:
         images, index = distinct(images)

@@ -221,8 +221,12 @@ class Materializer:
         """Verified read, decode, the processor, floats cast to the train dtype."""
         data = self.media.read_media(ref.uri, ref.hash)
         # A torchvision processor takes the decoded tensor as is; a PIL one, a PIL image.
-        decode = decode_rgb_tensor if takes_tensors(self.adapter.image_processor) else decode_rgb
-        image = decode(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
+        if takes_tensors(self.adapter.image_processor):
+            pixels = decode_rgb_tensor(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
+            check_decoded_size(ref, int(pixels.shape[2]), int(pixels.shape[1]))
+            return self.adapter.process([pixels], self.dtype)
+        image = decode_rgb(data, max_pixels=self.store.max_image_pixels, where=ref.uri)
+        check_decoded_size(ref, *image.size)
         return self.adapter.process([image], self.dtype)
 
     def check_ref(self, ref: ImageRef, where: dict[str, Any]) -> None:
@@ -247,6 +251,17 @@ class Materializer:
     def _placeholder(self, ref: ImageRef) -> dict[str, torch.Tensor]:
         # Never cached: the file may reappear, and a zero tensor is cheap to rebuild.
         return cast_floats(self.adapter.placeholder(ref.width, ref.height), self.dtype)
+
+
+def check_decoded_size(ref: ImageRef, width: int, height: int) -> None:
+    """Refuse media that decodes (upright: EXIF orientation applied) to another size than its
+    ref says, and so its span was laid out for: other pixels than the rollout's."""
+    if (width, height) != (ref.width, ref.height):
+        raise LayoutMismatchError(
+            f"media decodes to a {width}x{height} image (upright), the ref and its span say "
+            f"{ref.width}x{ref.height}",
+            uri=ref.uri,
+        )
 
 
 def wanted_elsewhere(

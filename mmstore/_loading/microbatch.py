@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mmstore._exceptions import MmstoreError
 from mmstore._families import Family
 from mmstore._loading.collate import dummy, model_input_names, token_types
 from mmstore._loading.device import collate_images
@@ -39,6 +40,16 @@ def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch
         return rows.reshape(1, -1)
     text = torch.arange(ids.shape[-1], dtype=torch.int64)[None]
     return torch.cat([text, rows.to(torch.int64)])
+
+
+def _positions(
+    family: Family, ids: torch.Tensor, images: Sequence[Any], where: dict[str, Any]
+) -> torch.Tensor:
+    """:func:`positions`, a family's refusal naming the sample (file, run, step, sample)."""
+    try:
+        return positions(family, ids, images)
+    except MmstoreError as exc:
+        raise exc.with_context(**where) from None
 
 
 def pack(
@@ -70,7 +81,14 @@ def pack(
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     input_ids = torch.cat([seg[0] for seg in segments])[None]
-    pos = torch.cat([positions(family, seg[0], seg[3]) for seg in segments], dim=1)
+    wheres = [s.where for s in samples] + [{}] * (len(segments) - len(samples))
+    pos = torch.cat(
+        [
+            _positions(family, seg[0], seg[3], where)
+            for seg, where in zip(segments, wheres, strict=True)
+        ],
+        dim=1,
+    )
     fill = [FILLER_ID] if filler else []
     batch: dict[str, Any] = {
         "input_ids": input_ids,

@@ -96,7 +96,19 @@ class PackedPlanner:
             return
         row = int(too_long[0])
         unit, index = self.locate(row)
-        sample_id = _read_rows(self.spec, unit, [index], ["sample_id"])[0]["sample_id"]
+        found = _read_rows(self.spec, unit, [index], ["sample_id", "tokens"])[0]
+        sample_id, actual = found["sample_id"], len(found["tokens"])
+        max_len = self.spec.max_len
+        if min(actual, max_len or actual) <= budget:
+            # The plan's length comes from the footer (mmstore.num_tokens); the row itself
+            # fits, so it is the footer that lies, not the sample that is too long.
+            raise CorruptFileError(
+                f"footer says the row has {int(meta.lengths[row])} tokens, it has {actual}",
+                file=unit.file,
+                run_id=unit.run_id,
+                step=unit.step,
+                sample_id=sample_id,
+            )
         reserve = self.max_tokens - budget
         raise SampleTooLongError(
             f"sample of {int(meta.lengths[row])} tokens exceeds max_tokens={self.max_tokens}"

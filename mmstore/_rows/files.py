@@ -26,12 +26,15 @@ from mmstore._exceptions import (
     CorruptFileError,
     InvalidArgumentError,
     MmstoreError,
+    NetworkError,
     NoMatchError,
     SchemaVersionError,
 )
 from mmstore._format.schema import PARTITION_FIELDS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
-from mmstore._storage.backends import FileStat
+from mmstore._rows.table import TableFile, TableSnapshot
+from mmstore._rows.versions import version_files
+from mmstore._storage.backends import network_error
 from mmstore._storage.store import Storage
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -60,22 +63,37 @@ def select_files(
     store: Storage,
     runs: str | Iterable[str] | None = None,
     steps: int | range | Iterable[int] | None = None,
-) -> list[FileStat]:
-    """Committed rollout files whose ``run_id=…/step=…`` partition matches the selection.
+    *,
+    version: int | None = None,
+) -> list[TableFile]:
+    """The files of table ``version`` (None: the latest) whose ``run_id``/``step`` match
+    the selection, sorted by path; see :func:`select_from`."""
+    return select_from(version_files(store, version), runs, steps, root=store.root)
 
-    A selection that names a run the store does not hold, or that matches no file at all,
-    raises :class:`NoMatchError` naming the runs and steps there are: a typo must not turn
-    into a silent run over nothing.
+
+def select_from(
+    snapshot: TableSnapshot,
+    runs: str | Iterable[str] | None = None,
+    steps: int | range | Iterable[int] | None = None,
+    *,
+    root: str | None = None,
+) -> list[TableFile]:
+    """The files of ``snapshot`` whose partition matches the selection.
+
+    A selection that names a run the version does not hold, or that matches no file at
+    all, raises :class:`NoMatchError` naming the runs and steps there are: a typo must not
+    turn into a silent run over nothing.
     """
     run_set = _run_set(runs)
     step_set = _step_set(steps)
     selected = []
     held: dict[str, set[int]] = {}
-    for stat in store.rollout_files():
-        run_id, step = partition_of(stat.path)
-        held.setdefault(run_id, set()).add(step)
-        if (run_set is None or run_id in run_set) and (step_set is None or step in step_set):
-            selected.append(stat)
+    for file in snapshot.files:
+        held.setdefault(file.run_id, set()).add(file.step)
+        if (run_set is None or file.run_id in run_set) and (
+            step_set is None or file.step in step_set
+        ):
+            selected.append(file)
     unknown = sorted(run_set - held.keys()) if run_set is not None else []
     if unknown or (not selected and (run_set is not None or step_set is not None)):
         chosen = " at ".join(
@@ -88,8 +106,10 @@ def select_files(
         )
         why = f"no run {', '.join(map(repr, unknown))}" if unknown else "no such step"
         raise NoMatchError(
-            f"no committed rollout files match {chosen} ({why}); the store holds {holdings(held)}",
-            root=store.root,
+            f"no committed rollout files match {chosen} ({why}); version {snapshot.version} "
+            f"of the store holds {holdings(held)}",
+            root=root,
+            version=snapshot.version,
         )
     return selected
 
@@ -162,10 +182,17 @@ def open_rollout_file(store: Storage, path: str) -> pq.ParquetFile:
 @contextmanager
 def reading(path: str) -> Iterator[None]:
     """Turn a failed read of rollout file ``path`` (a bad page checksum, a torn page, bytes
-    that are not UTF-8 in a string column) into :class:`CorruptFileError` naming it."""
+    that are not UTF-8 in a string column) into :class:`CorruptFileError` naming it; a
+    storage that did not answer says nothing about the file: :class:`NetworkError`
+    (retryable), naming it too."""
     try:
         yield
+    except NetworkError as exc:
+        raise exc.with_context(**where_of_file(path)) from None
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
+        typed = network_error(exc, **where_of_file(path))
+        if typed is not None:
+            raise typed from None
         raise CorruptFileError(
             f"unreadable rollout file: {type(exc).__name__}: {exc}", **where_of_file(path)
         ) from None

@@ -84,7 +84,9 @@ def check_spans(
         return
     n = len(tokens)
     special = set(image_token_ids)
-    expansions = []  # what the spans hold: they equal their expansions once checked
+    # What the spans hold: they equal their expansions once checked.
+    expansions: list[np.ndarray] = []
+    previous: Family | None = None
     end_of_previous = 0
     for index in range(len(offsets)):
         offset, length = int(offsets[index]), int(lengths[index])
@@ -116,13 +118,37 @@ def check_spans(
                 f"{family.family} expansion's {int(expected[wrong[0]])}",
                 image_index=index,
             )
+        if previous is not None and offset == end_of_previous:
+            _check_apart(expansions[-1], previous, expected, family, index)
         special.update(family.special_token_ids)
         expansions.append(expected)
-        end_of_previous = offset + length
+        previous, end_of_previous = family, offset + length
     if special:
         ids = sorted(special)
         inside = sum(_count(e, ids) for e in expansions)
         _check_no_stray(tokens, offsets, lengths, ids, inside)
+
+
+def _check_apart(
+    before: np.ndarray, previous: Family, expected: np.ndarray, family: Family, index: int
+) -> None:
+    """Refuse two touching spans whose image features would touch: one rule for every family.
+
+    A model finds an image's features as a run of its feature token (Qwen-VL's and GLM-4V's
+    ``get_rope_index`` bind the i-th run to the i-th grid); spans of one repeated token
+    (Qwen-VL, GLM-4V, Kimi-K2.5) that touch read as one image, and the packed loader's
+    positions, the model's own and vLLM's would disagree. A family whose expansion closes on
+    another token (Pixtral's ``[IMG_END]``, Gemma 3's "\\n\\n" after ``<end_of_image>``) keeps two
+    touching images apart, as its chat template writes them: accepted (the contract suite
+    trains such rows packed and alone).
+    """
+    if int(before[-1]) == previous.feature_token_id and int(expected[0]) == family.feature_token_id:
+        raise InvalidRolloutError(
+            f"image {index} starts right where image {index - 1} ends: the {family.family} "
+            "model would read their image tokens as one image; keep text between them (the "
+            "chat template's tokens around each image)",
+            image_index=index,
+        )
 
 
 def _expansion(family: Family, width: int, height: int, index: int) -> np.ndarray:

@@ -23,17 +23,20 @@ def read_rollouts(
     run_id: str | Iterable[str] | None = None,
     step: int | range | Iterable[int] | None = None,
     sample_ids: str | Iterable[str] | None = None,
+    *,
+    version: int | None = None,
 ) -> list[Rollout]:
-    """The committed rows matching every given filter, in (run, step, file, row) order.
+    """The rows of table ``version`` (None: the latest) matching every given filter, in
+    (run, step, file, row) order.
 
     Raises :class:`NoMatchError` naming what the store holds when a run or step matches
     nothing, naming the sample ids not found, or when the store holds no row at all.
     """
     wanted = None if sample_ids is None else _ids(sample_ids)
-    files = select_files(store, run_id, step)
+    files = select_files(store, run_id, step, version=version)
     rows: list[Rollout] = []
-    for stat in files:
-        table = _read(store, stat.path)
+    for file in files:
+        table = _read(store, file.path)
         if wanted is not None:
             table = table.filter(pc.is_in(table.column("sample_id"), pa.array(sorted(wanted))))
         rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())

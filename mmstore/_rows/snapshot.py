@@ -1,13 +1,13 @@
 """A snapshot of a store's committed rollout files, split into row-group work units.
 
-Only Parquet footers are read: a unit is (file, row group, row count), so any point of an
+The files are those one version of the rollouts table lists (read from its log, never a
+listing); only Parquet footers are read: a unit is (file, row group, row count), so any point of an
 epoch can be located without reading the data before it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +24,11 @@ from mmstore._rows.files import (
     open_rollout_file,
     partition_of,
     reading,
-    select_files,
+    select_from,
 )
-from mmstore._storage.backends import LocalBackend
-from mmstore._storage.store import ROLLOUTS, Storage
+from mmstore._rows.table import TableSnapshot
+from mmstore._rows.versions import version_files
+from mmstore._storage.store import Storage
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ Neighbours = tuple[GroupRange | None, GroupRange | None]  # (before, after) a un
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The committed files a dataset reads, frozen when it is built."""
+    """The committed files a dataset reads (those of table version ``version`` that its
+    selection chose), frozen when it is built."""
 
     files: tuple[str, ...]
     units: tuple[WorkUnit, ...]
+    version: int
 
     @property
     def num_rows(self) -> int:
@@ -67,14 +70,17 @@ def take_snapshot(
     runs: Iterable[str] | None = None,
     steps: Iterable[int] | range | None = None,
     files: Sequence[str] | None = None,
+    *,
+    version: int | None = None,
 ) -> Snapshot:
-    """Units of the committed files selected by run and step (or exactly ``files``, which
-    must each name a committed rollout file of this store: they may come from a saved
-    state)."""
+    """Units of the files of table ``version`` (None: the latest) selected by run and step,
+    or exactly ``files``, which must each be listed by that version (they may come from a
+    saved state, which names its version)."""
+    table = version_files(store, version)
     if files is None:
-        files = [stat.path for stat in select_files(store, runs, steps)]
+        files = [f.path for f in select_from(table, runs, steps, root=store.root)]
     else:
-        files = [committed_file(store, path) for path in files]
+        files = listed_files(store, table, files)
     units: list[WorkUnit] = []
     for path in files:
         run_id, step = partition_of(path)
@@ -92,7 +98,35 @@ def take_snapshot(
             )
             for k, i in enumerate(kept)
         )
-    return Snapshot(tuple(files), tuple(units))
+    return Snapshot(tuple(files), tuple(units), table.version)
+
+
+def listed_files(store: Storage, table: TableSnapshot, files: Sequence[Any]) -> list[str]:
+    """``files`` if the table version lists each of them and its bytes are still there;
+    else :class:`InvalidArgumentError` naming the first that is not.
+
+    A loader state is data from outside: a path its version does not list (``..``,
+    ``_staging``, a file committed elsewhere, a state edited by hand) would make the loader
+    read rows that were never committed to that version.
+    """
+    listed = {f.path for f in table.files}
+    for path in files:
+        if not isinstance(path, str) or path not in listed:
+            raise InvalidArgumentError(
+                f"state names a file that version {table.version} of the rollouts table does "
+                "not list",
+                file=repr(path)[:300],
+                version=table.version,
+            )
+        if store.backend.stat(path) is None:
+            raise InvalidArgumentError(
+                f"state names a file of version {table.version} whose bytes are gone (gc "
+                "deleted them after the grace period: pin a version you mean to resume, "
+                "mmstore.pin_rows(store, name, version=...))",
+                file=path,
+                version=table.version,
+            )
+    return list(files)
 
 
 def _group_range(row_group: pq.RowGroupMetaData) -> GroupRange | None:
@@ -107,38 +141,6 @@ def _group_range(row_group: pq.RowGroupMetaData) -> GroupRange | None:
         low, high = stats.min, stats.max
         return (low, high) if isinstance(low, str) and isinstance(high, str) else None
     return None
-
-
-# rollouts/run_id=<run>/step=<step>/[...]/<name>.parquet: what Store.rollout_files lists.
-_PARTITION = re.compile(r"^run_id=[A-Za-z0-9][A-Za-z0-9._-]{0,127}/step=(0|[1-9][0-9]{0,9})$")
-
-
-def committed_file(store: Storage, path: Any) -> str:
-    """``path`` if it names a committed rollout file of ``store``; else InvalidArgumentError.
-
-    A loader state is data from outside: ``..``, an absolute path, ``_staging`` or a symlink
-    out of the store would make the loader read rows that were never committed here.
-    """
-    parts = path.split("/") if isinstance(path, str) else []
-    if (
-        len(parts) < 4
-        or parts[0] != ROLLOUTS
-        or not _PARTITION.match("/".join(parts[1:3]))
-        or not parts[-1].endswith(".parquet")
-        or any(not p or p.startswith(("_", ".")) or "\\" in p for p in parts)
-    ):
-        raise InvalidArgumentError(
-            "state names a file that is not a committed rollout file path "
-            "(rollouts/run_id=…/step=…/….parquet)",
-            file=repr(path)[:300],
-        )
-    backend = store.backend
-    outside = isinstance(backend, LocalBackend) and not backend.inside(backend.abspath(path))
-    if outside or backend.stat(path) is None:
-        raise InvalidArgumentError(
-            "state names a rollout file that is not committed in this store", file=path
-        )
-    return path
 
 
 def read_footer(store: Storage, path: str) -> pq.FileMetaData:
@@ -159,23 +161,6 @@ def recorded_layouts(store: Storage, files: Iterable[str]) -> dict[str, dict[str
         for fingerprint, params in layouts.items():
             found.setdefault(fingerprint, params)
     return found
-
-
-# A text-only writer reads at most this many of its run's newest footers for a layout.
-RUN_LAYOUT_FILES = 8
-
-
-def run_layouts(store: Storage, run_id: str) -> dict[str, dict[str, Any]]:
-    """The layouts recorded by the newest committed file of ``run_id`` that records one
-    (looking at its newest few files only)."""
-    prefix = f"rollouts/run_id={run_id}/"
-    files = [f.path for f in store.rollout_files() if f.path.startswith(prefix)]
-    newest = sorted(files, key=lambda path: partition_of(path)[1], reverse=True)
-    for path in newest[:RUN_LAYOUT_FILES]:
-        found = recorded_layouts(store, [path])
-        if found:
-            return found
-    return {}
 
 
 def fingerprints_by_run(store: Storage, snapshot: Snapshot) -> dict[str, set[str]]:

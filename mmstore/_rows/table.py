@@ -26,7 +26,11 @@ a process; a fork of that process that calls delta-rs again panics (``PanicExcep
 Parquet files by path. Every delta-rs call here first checks that the runtime, if this
 module started it, belongs to the current process, and raises :class:`TableForkError`
 instead of panicking. :meth:`RolloutTable.entries_after` and :meth:`RolloutTable.log_entry`
-read the log's JSON through the store's backend, without delta-rs: safe anywhere.
+read the log's JSON through the store's backend, without delta-rs: safe anywhere; so does
+:meth:`RolloutTable.replay` (the files of a version: the last checkpoint, then the JSON
+entries), which :meth:`RolloutTable.snapshot` and :meth:`RolloutTable.latest_version` use in
+such a forked child (a rank forked from a parent that used the table plans as its parent
+would). Commits there still raise :class:`TableForkError`.
 
 Commits on S3 use conditional put (``If-None-Match`` on the log entry's key; no lock service).
 Versions are kept: expired-log cleanup is off, so every version stays readable until gc
@@ -56,6 +60,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mmstore._exceptions import (
     InvalidArgumentError,
@@ -301,17 +306,23 @@ class RolloutTable:
 
     def latest_version(self) -> int:
         """The newest committed version (one listing of the log when nothing is new)."""
+        if _forked():
+            return self.replay().version
         with self._lock:
             return int(self._table().version())
 
     def snapshot(self, version: int | None = None) -> TableSnapshot:
         """The files of ``version`` (the latest if None), from the log and its checkpoint.
 
-        Raises :class:`TableVersionError` for a version the table does not have.
+        Raises :class:`TableVersionError` for a version the table does not have. In a
+        forked child of a process that used delta-rs (which would panic there) the log is
+        replayed without it (:meth:`replay`): a forked rank plans as its parent would.
         """
         from deltalake import DeltaTable
         from deltalake.exceptions import DeltaError
 
+        if _forked():
+            return self.replay(version)
         if version is None:
             with self._lock:
                 table = self._table()
@@ -331,6 +342,56 @@ class RolloutTable:
                 version=version,
             ) from None
         return TableSnapshot(version, _files(table))
+
+    def replay(self, version: int | None = None) -> TableSnapshot:
+        """The files of ``version`` (the latest if None) read from the log without delta-rs:
+        the newest checkpoint at or below it (single-file, as delta-rs writes them), then
+        each JSON entry after it, applying adds and removes in order. Safe in any process;
+        slower than :meth:`snapshot` for an old version below the last checkpoint (its
+        entries are replayed from version 0)."""
+        if version is not None:
+            _check_version_argument(version)
+        at, files = self._checkpoint_files(version)
+        while version is None or at < version:
+            text = self._read_log_json(at + 1)
+            if text is None:
+                break
+            entry = _parse_entry(at + 1, text)
+            for path in entry.removed:
+                files.pop(path, None)
+            files.update((f.path, f) for f in entry.added)
+            at += 1
+        if at < 0:
+            raise TableNotFoundError(
+                "no rollouts table (no Delta log): create it first", table=self.uri
+            )
+        if version is not None and at != version:
+            raise TableVersionError(
+                f"the rollouts table has no version {version} (latest is {at})",
+                table=self.uri,
+                version=version,
+            )
+        return TableSnapshot(at, tuple(sorted(files.values(), key=lambda f: f.path)))
+
+    def _checkpoint_files(self, version: int | None) -> tuple[int, dict[str, TableFile]]:
+        """The live files of the last checkpoint if it lies at or below ``version`` (and is
+        one file), with its version; else nothing, at version -1."""
+        try:
+            raw = self.storage.backend.read(f"{ROLLOUTS}/{_LOG_DIR}/_last_checkpoint")
+        except FileNotFoundError:
+            return -1, {}
+        last = json.loads(raw)
+        at = int(last["version"])
+        if (version is not None and at > version) or last.get("parts"):
+            return -1, {}
+        data = self.storage.backend.read(f"{ROLLOUTS}/{_LOG_DIR}/{at:020d}.checkpoint.parquet")
+        adds = pq.read_table(pa.BufferReader(data), columns=["add"]).column("add").to_pylist()
+        files = {}
+        for add in adds:
+            if add is not None:
+                file = _logged_file({**add, "partitionValues": dict(add["partitionValues"])})
+                files[file.path] = file
+        return at, files
 
     def producer_seq(self, producer: str) -> int | None:
         """The latest seq committed by ``producer`` (None if it never committed)."""
@@ -593,6 +654,12 @@ class RolloutTable:
 
 # The process whose tokio runtime delta-rs created through this module (None: none yet).
 _RUNTIME_PID: int | None = None
+
+
+def _forked() -> bool:
+    """Whether delta-rs was started by this module in another process (this one is its
+    forked child, where a delta-rs call would panic)."""
+    return _RUNTIME_PID is not None and os.getpid() != _RUNTIME_PID
 
 
 def _check_runtime(uri: str) -> None:

@@ -1,4 +1,10 @@
-"""The rollout writer: validated rows -> one Parquet file, visible by an atomic rename.
+"""The rollout writer: validated rows -> one Parquet file, visible once the rollouts table
+commits it.
+
+A commit stages the file, fsyncs it, renames it into ``rollouts/run_id=…/step=…/`` and then
+adds it to the table in one Delta transaction (path, partition values, size, row count). A
+process killed between the rename and the transaction leaves a file no version lists: an
+orphan, never read, that gc removes after the grace period.
 
 Rows are checked against every invariant (and their media must exist) as they are
 written; a refused row raises and leaves the writer, and the store, as they were. Row groups
@@ -9,6 +15,7 @@ memory holds compressed bytes, not Python rows.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 import uuid
@@ -31,8 +38,12 @@ from mmstore._families import (
 from mmstore._format.models import LIST_DTYPES, Rollout, list_array, released
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.invariants import check_rollout
-from mmstore._rows.snapshot import run_layouts
+from mmstore._rows.runs import record_layouts, run_layouts
+from mmstore._rows.table import CommitResult, TableFile
+from mmstore._rows.versions import commit_files
 from mmstore._storage.store import Storage
+
+log = logging.getLogger("mmstore")
 
 # Rows are a few KB to a few hundred KB; 128 rows keep row groups (the unit of work the
 # loader shards) fine-grained while pages stay large enough for zstd.
@@ -156,12 +167,34 @@ def check_partition(run_id: Any, step: Any) -> None:
         )
 
 
+def check_producer(producer: Any, seq: Any) -> None:
+    """Refuse a producer without a seq (or the other way round) or malformed ones."""
+    if producer is None and seq is None:
+        return
+    if producer is None or seq is None:
+        raise InvalidArgumentError(
+            f"producer and seq go together: give both or neither (producer={producer!r}, "
+            f"seq={seq!r})"
+        )
+    if not isinstance(producer, str) or not producer or len(producer) > 256:
+        raise InvalidArgumentError(f"producer must be a non-empty string, got {producer!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise InvalidArgumentError(f"seq must be an int >= 0, got {seq!r}", producer=producer)
+
+
 class RolloutWriter:
     """Use as ``with store.writer(run_id=..., step=...) as w: w.write(rollout)``.
 
     Nothing is visible until the block exits without an exception (or :meth:`commit` is
     called); then every row written becomes visible at once, as one Parquet file named
-    ``part-<writer uuid>-<seq>.parquet``, unique across processes and hosts.
+    ``part-<writer uuid>-<seq>.parquet`` (unique across processes and hosts) that one new
+    table version adds; :attr:`version` is that version.
+
+    Exactly once: a writer given ``producer`` (a name for the process that makes the rows,
+    e.g. ``"sampler-0"``) and ``seq`` (that producer's sequence number, growing by commit)
+    commits its rows at most once per pair, across processes and crashes: a retried
+    commit of a pair the table already holds commits nothing, sets :attr:`duplicate` and
+    logs a warning (logger ``mmstore``). Such a writer commits once.
 
     An image-only token (a family's placeholder, break or end token) outside every image
     span is refused, in rows with images and in text-only rows alike, whenever the writer
@@ -170,7 +203,9 @@ class RolloutWriter:
     this writer's rows used, else those recorded in the newest committed files of the same
     run, else the adapters built in this process (``mmstore.adapter_for``) when they are all
     of one family. A writer that knows none of these (a fresh process writing text-only rows
-    into a new run) cannot tell a placeholder from text.
+    into a new run) cannot tell a placeholder from text. A run's families are recorded at
+    ``runs/<run_id>/`` by the commits of its image rows (:mod:`.runs`): one small listing,
+    whatever the store's size and however long ago the run's last image was written.
     """
 
     def __init__(
@@ -181,8 +216,11 @@ class RolloutWriter:
         *,
         adapter: Family | None = None,
         row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
+        producer: str | None = None,
+        seq: int | None = None,
     ) -> None:
         check_partition(run_id, step)
+        check_producer(producer, seq)
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
             raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
         if row_group_size <= 0:
@@ -193,6 +231,12 @@ class RolloutWriter:
         self.writer_id = uuid.uuid4().hex
         self.row_group_size = row_group_size
         self.committed: list[str] = []
+        self.producer = producer
+        self.seq = seq
+        self.version: int | None = None  # the table version the last commit made
+        self.duplicate = False  # the table already held (producer, seq): nothing committed
+        self.result: CommitResult | None = None  # the last commit's, as the table said
+        self._file_rows = 0  # rows in the open (or encoded) file
         self._adapter = adapter
         self._layouts: dict[str, Layout] = {}
         self._run_layouts: list[Layout] | None = None
@@ -205,6 +249,7 @@ class RolloutWriter:
         self._parquet: pq.ParquetWriter | None = None
         self._encoding: _Encoding | None = None  # the row group being encoded, if any
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
+        self._file_layouts: dict[str, dict[str, Any]] = {}  # the encoded file's layouts
         self._closed = False
 
     # -- writing -------------------------------------------------------------------------
@@ -223,6 +268,13 @@ class RolloutWriter:
         if self._encoded is not None:
             raise InvalidRolloutError(
                 "a failed commit is pending: call commit() again (or abort()) first",
+                run_id=self.run_id,
+                step=self.step,
+            )
+        if self.producer is not None and self.result is not None:
+            raise InvalidRolloutError(
+                f"this writer's (producer, seq) ({self.producer!r}, {self.seq}) was committed "
+                "already: a writer with a producer commits once; open another with the next seq",
                 run_id=self.run_id,
                 step=self.step,
             )
@@ -257,6 +309,7 @@ class RolloutWriter:
         self._pending.append(_buffered(rollout))
         released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
+        self._file_rows += 1
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
 
@@ -319,13 +372,15 @@ class RolloutWriter:
     # -- committing ----------------------------------------------------------------------
 
     def commit(self) -> str | None:
-        """Make every row written so far visible as one Parquet file; return its path.
+        """Make every row written so far visible as one Parquet file; return its path
+        (None when there was nothing to commit, or when :attr:`duplicate`).
 
         First every media file the rows reference is made durable (``put_media`` does not
         fsync; one batch of fsyncs here, including copies another writer put), then the
-        Parquet file, so a committed file never points at missing or torn bytes. If the commit fails
-        (disk full, an unusable ``_staging``), the encoded file is kept and nothing torn is
-        left behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
+        Parquet file, so a committed file never points at missing or torn bytes; then the
+        table commits it. If the commit fails (disk full, an unusable ``_staging``, a table
+        commit that kept conflicting), the encoded file is kept and nothing torn is left
+        behind: call ``commit()`` again to retry; ``write`` refuses rows until then.
         """
         if self._closed:
             raise InvalidRolloutError("writer is closed", run_id=self.run_id, step=self.step)
@@ -346,21 +401,47 @@ class RolloutWriter:
             f"rollouts/run_id={self.run_id}/step={self.step}/"
             f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
         )
+        # The run's families before its rows: a text-only writer of this run finds them.
+        record_layouts(self.store, self.run_id, self._file_layouts)
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
-        # A retry after a failure past the rename (e.g. the directory's fsync) finds its own
-        # file in place; any other file under this writer's unique name is not ours.
+        # A retry after a failure past the rename (the directory's fsync, the table commit)
+        # finds its own file in place; any other file under this writer's unique name is not
+        # ours.
         if not written and self.store.backend.read(rel) != self._encoded:
             raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
+        file = TableFile(rel, self.run_id, self.step, len(self._encoded), self._file_rows)
+        result = commit_files(self.store, [file], producer=self.producer, seq=self.seq)
+        self.result = result
         self._encoded = None
         self._unsynced = set()
+        self._file_rows = 0
+        if result.duplicate:
+            self._drop_duplicate(rel, result)
+            return None
+        self.version = result.version
         self.committed.append(rel)
         return rel
+
+    def _drop_duplicate(self, rel: str, result: CommitResult) -> None:
+        """The table holds this (producer, seq) already: remove the file no version lists."""
+        self.duplicate = True
+        self.store.backend.delete(rel)
+        log.warning(
+            "mmstore: producer %r seq %d was committed before (the producer's latest committed "
+            "seq is %s): this commit of run %r step %d committed nothing",
+            self.producer,
+            self.seq,
+            result.producer_seq,
+            self.run_id,
+            self.step,
+        )
 
     def _encode(self) -> bytes:
         """Close the Parquet writer and return the whole file."""
         self._finish_encoding()
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
+        self._file_layouts = layouts
         metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
         self._num_tokens = []
         self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
@@ -374,6 +455,7 @@ class RolloutWriter:
         self._pending = []
         self._encoded = None
         self._num_tokens = []
+        self._file_rows = 0
         if self._encoding is not None:
             self._encoding.join()  # never close the Parquet writer under its encoder
             self._encoding = None

@@ -10,6 +10,10 @@ file and a crash leaves garbage only in ``_staging/``. Content-addressed media
 before a row that references it commits, so the writer's commit calls ``sync`` once for all
 of them (one fsync per file and per directory, instead of three per put). On S3 one
 PUT of the final key makes the object visible only once it is complete.
+
+Failures: a store that cannot be reached, or does not answer in time, raises
+:class:`NetworkError` (retryable, naming the object's ``location``), never a bare ``OSError``
+and never a report of damage (:func:`network_error`, :func:`network_errors`).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import contextlib
 import errno
 import io
 import os
+import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,7 +34,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from mmstore._exceptions import HashMismatchError
+from mmstore._exceptions import HashMismatchError, MmstoreError, NetworkError
 
 STAGING = "_staging"
 # Threads that fsync a commit's media files together (see LocalBackend.sync).
@@ -291,6 +296,52 @@ def _makedirs_durable(path: str) -> None:
         _fsync_path(os.path.dirname(created))
 
 
+# What says "the storage was not reached or did not answer", not "the request or the data is
+# wrong": the AWS SDK's own retryable error kinds (pyarrow's S3 errors are OSErrors that name
+# them: "AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 28, ..."), any
+# 5xx, and the errnos of a network mount (NFS, a FUSE bucket) that lost its server.
+_AWS_TRANSIENT = re.compile(
+    r"AWS Error (NETWORK_CONNECTION|REQUEST_TIMEOUT|SERVICE_UNAVAILABLE|SLOW_DOWN|THROTTLING"
+    r"|INTERNAL_FAILURE)\b|HTTP status 5\d\d\b"
+)
+_NETWORK_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ETIMEDOUT", "EHOSTUNREACH", "EHOSTDOWN", "ENETUNREACH", "ENETDOWN", "ENOLINK")
+    if hasattr(errno, name)
+)
+
+
+def network_error(exc: BaseException, **where: Any) -> NetworkError | None:
+    """``exc`` as a :class:`NetworkError` with ``where`` as its context if it says the
+    storage was not reached or did not answer in time; None for anything else (a missing
+    file, a refusal, damage: not worth a retry). An mmstore error is typed already: None."""
+    if isinstance(exc, MmstoreError) or not isinstance(exc, OSError):
+        return None
+    transient = (
+        isinstance(exc, ConnectionError | TimeoutError)
+        or exc.errno in _NETWORK_ERRNOS
+        or _AWS_TRANSIENT.search(str(exc)) is not None
+    )
+    if not transient:
+        return None
+    return NetworkError(
+        f"storage unreachable or too slow (retryable): {type(exc).__name__}: {exc}", **where
+    )
+
+
+@contextlib.contextmanager
+def network_errors(**where: Any) -> Iterator[None]:
+    """Inside, a network failure (:func:`network_error`) raises :class:`NetworkError` with
+    ``where``; every other error passes unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        typed = network_error(exc, **where)
+        if typed is None:
+            raise
+        raise typed from None
+
+
 def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:
     """An S3 filesystem from explicit options, else the usual AWS environment variables.
 
@@ -325,14 +376,21 @@ class S3Backend:
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
+    def _network(self, rel: str) -> contextlib.AbstractContextManager[None]:
+        """Network failures on ``rel`` as :class:`NetworkError` naming its location."""
+        return network_errors(location=f"s3://{self.abspath(rel)}")
+
     def read(self, rel: str) -> bytes:
-        try:
-            with self.fs.open_input_stream(self.abspath(rel)) as f:
-                return bytes(f.read())
-        except OSError as exc:
-            if self.stat(rel) is None:
-                raise FileNotFoundError(self.abspath(rel)) from exc
-            raise
+        with self._network(rel):
+            try:
+                with self.fs.open_input_stream(self.abspath(rel)) as f:
+                    return bytes(f.read())
+            except OSError as exc:
+                # Not found, or another failure? Ask once more, unless the endpoint did not
+                # answer at all: a stalled endpoint would only stall the question too.
+                if network_error(exc) is None and self.stat(rel) is None:
+                    raise FileNotFoundError(self.abspath(rel)) from exc
+                raise
 
     def write_atomic(
         self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
@@ -340,7 +398,7 @@ class S3Backend:
         # One PUT: durable once it returns, whatever ``durable`` says.
         if not replace and self.stat(rel) is not None:
             return False
-        with self.fs.open_output_stream(self.abspath(rel)) as f:
+        with self._network(rel), self.fs.open_output_stream(self.abspath(rel)) as f:
             f.write(data)
         return True
 
@@ -355,7 +413,8 @@ class S3Backend:
         """Nothing to do: an S3 object is durable once its PUT returns."""
 
     def stat(self, rel: str) -> FileStat | None:
-        info = self.fs.get_file_info(self.abspath(rel))
+        with self._network(rel):
+            info = self.fs.get_file_info(self.abspath(rel))
         if info.type != pafs.FileType.File:
             return None
         return FileStat(rel, info.size or 0, info.mtime.timestamp() if info.mtime else 0.0)
@@ -363,18 +422,20 @@ class S3Backend:
     def list(self, rel: str) -> list[FileStat]:
         selector = pafs.FileSelector(self.abspath(rel), recursive=True, allow_not_found=True)
         prefix = self.base + "/"
+        with self._network(rel):
+            infos = self.fs.get_file_info(selector)
         return [
             FileStat(
                 info.path[len(prefix) :],
                 info.size or 0,
                 info.mtime.timestamp() if info.mtime else 0.0,
             )
-            for info in self.fs.get_file_info(selector)
+            for info in infos
             if info.type == pafs.FileType.File
         ]
 
     def delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with self._network(rel), contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.abspath(rel))
 
     def delete_tree(self, rel: str) -> None:
@@ -383,4 +444,5 @@ class S3Backend:
 
     def is_empty(self) -> bool:
         selector = pafs.FileSelector(self.base, recursive=False, allow_not_found=True)
-        return not self.fs.get_file_info(selector)
+        with self._network(""):
+            return not self.fs.get_file_info(selector)

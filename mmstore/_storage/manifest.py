@@ -13,11 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mmstore._exceptions import NotAStoreError, SchemaVersionError
+from mmstore._exceptions import NotAStoreError, SchemaVersionError, UpgradeRequiredError
 from mmstore._format.media import HASH_ALGORITHM
 from mmstore._storage.backends import Backend, NotAFileError
 
-FORMAT_VERSION = 1
+# 2: rollouts/ is a Delta Lake table (a commit log of the Parquet files); 1: a directory of
+# renamed Parquet files, read by listing it (``mmstore upgrade`` turns a 1 into a 2 in place).
+FORMAT_VERSION = 2
+FORMAT_V1 = 1
 MANIFEST = "mmstore.json"
 # A real manifest is a few hundred bytes; anything far larger is not one.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -76,10 +79,20 @@ def read_manifest(backend: Backend, root: str) -> dict[str, Any] | None:
     return manifest
 
 
-def check_manifest(manifest: dict[str, Any], root: str) -> Manifest:
-    """Refuse a manifest of another format version or hash, or with malformed fields."""
+def check_manifest(
+    manifest: dict[str, Any], root: str, formats: tuple[int, ...] = (FORMAT_VERSION,)
+) -> Manifest:
+    """Refuse a manifest of a format version not in ``formats`` or another hash, or with
+    malformed fields; a format-1 store is told how to upgrade."""
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version == FORMAT_V1 and not isinstance(version, bool) and FORMAT_V1 not in formats:
+        raise UpgradeRequiredError(
+            f"the store at {root!r} has format 1 (rollouts without a commit log); this "
+            f"mmstore reads format {FORMAT_VERSION}: upgrade it once, in place, with "
+            f"`mmstore upgrade {root}` (or mmstore.upgrade(root)); its files are kept",
+            root=root,
+        )
+    if version not in formats or isinstance(version, bool):
         raise SchemaVersionError(
             f"store format_version {version!r} is not supported (this mmstore reads "
             f"{FORMAT_VERSION})",

@@ -1,4 +1,4 @@
-"""A store: a manifest, content-addressed media and committed rollout files under one root.
+"""A store's bytes: a manifest, content-addressed media and rollout files under one root.
 
 The root is a local directory or an ``s3://bucket/prefix``; see :mod:`._backends`.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote, urlparse, urlsplit
 
@@ -22,7 +23,9 @@ from mmstore._exceptions import (
     ImageDecodeError,
     InvalidArgumentError,
     MediaNotFoundError,
+    MediaPermissionError,
     MmstoreError,
+    NetworkError,
     NotAStoreError,
     UntrustedURIError,
 )
@@ -46,8 +49,10 @@ from mmstore._storage.backends import (
     LocalBackend,
     NotAFileError,
     S3Backend,
+    network_error,
 )
 from mmstore._storage.manifest import (
+    FORMAT_VERSION,
     MANIFEST,
     check_manifest,
     create_manifest,
@@ -90,6 +95,9 @@ class Storage:
         self.trusted_roots = tuple(_normalize_root(r) for r in trusted_roots)
         self.s3_options = dict(s3_options or {})
         self.max_image_pixels = max_image_pixels
+        # Whether this process's open() wrote the manifest (the store's rows stage then
+        # creates the rollouts table too).
+        self.created = False
         self._external: dict[str, Backend] = {}
 
     def __repr__(self) -> str:
@@ -116,8 +124,30 @@ class Storage:
 
         Raises :class:`NotAStoreError` where there is no store (and ``create`` is off, or the
         location holds other files) and :class:`SchemaVersionError` for a store format this
-        mmstore does not read.
+        mmstore does not read (:class:`UpgradeRequiredError` for format 1).
         """
+        return cls.open_format(
+            root,
+            create,
+            (FORMAT_VERSION,),
+            trusted_roots=trusted_roots,
+            s3_options=s3_options,
+            max_image_pixels=max_image_pixels,
+        )
+
+    @classmethod
+    def open_format(
+        cls,
+        root: str | os.PathLike[str],
+        create: bool,
+        formats: tuple[int, ...],
+        *,
+        trusted_roots: Iterable[str] = (),
+        s3_options: dict[str, Any] | None = None,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> Self:
+        """:meth:`open`, accepting a store of any format version in ``formats`` (the
+        upgrade opens format 1 this way)."""
         root = os.fspath(root)
         backend: Backend
         if root.startswith("s3://"):
@@ -127,12 +157,13 @@ class Storage:
         else:
             backend = LocalBackend(_local_path(root))
         raw = read_manifest(backend, root)
+        created = False
         if raw is None:
             if not create:
                 raise NotAStoreError(missing_store_message(root, CREATE_REMEDY), root=root)
-            raw = create_manifest(backend, root)
-        check_manifest(raw, root)
-        return cls(
+            raw, created = create_manifest(backend, root), True
+        check_manifest(raw, root, formats)
+        store = cls(
             root,
             backend,
             raw,
@@ -140,6 +171,8 @@ class Storage:
             s3_options=s3_options,
             max_image_pixels=max_image_pixels,
         )
+        store.created = created
+        return store
 
     # -- media ---------------------------------------------------------------------------
 
@@ -210,7 +243,8 @@ class Storage:
         """The bytes at ``uri``, verified against ``expected_hash``."""
         backend, rel = self.resolve(uri)
         try:
-            data = backend.read(rel)
+            with media_failures(uri):
+                data = backend.read(rel)
         except NotAFileError:  # a FIFO, device or directory: refused without blocking
             raise MediaNotFoundError("media path is not a regular file", uri=uri) from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -246,7 +280,8 @@ class Storage:
     def media_stat(self, uri: str) -> FileStat | None:
         """Size and timestamp of the media at ``uri``, or None if absent (no hash check)."""
         backend, rel = self.resolve(uri)
-        return backend.stat(rel)
+        with media_failures(uri):
+            return backend.stat(rel)
 
     def ensure_media(self, ref: ImageRef | MediaRef, **where: Any) -> None:
         """Refuse a ref whose bytes are not where it says, with ``where`` in the error.
@@ -345,8 +380,12 @@ class Storage:
 
     # -- rollout files -------------------------------------------------------------------
 
-    def rollout_files(self) -> list[FileStat]:
-        """Committed rollout Parquet files, sorted by path (staging is never listed)."""
+    def listed_rollout_files(self) -> list[FileStat]:
+        """Every Parquet file under ``rollouts/`` (committed, removed from the table or never
+        committed alike), sorted by path; the table's log and staging are never listed.
+
+        A listing, for the lifecycle's search for orphans: what is committed is what a
+        table version lists (:meth:`mmstore.Store.files`), never a listing."""
         files = [
             f
             for f in self.backend.list(ROLLOUTS)
@@ -450,3 +489,23 @@ def _check_name_lengths(path: str, uri: str) -> None:
             f"{PATH_MAX} in all)",
             uri=uri[:300],
         )
+
+
+@contextmanager
+def media_failures(uri: str) -> Iterator[None]:
+    """A media read's failures that say nothing about the media, typed and naming ``uri``:
+    a read this process is not allowed (:class:`MediaPermissionError`), storage that did not
+    answer (:class:`NetworkError`, retryable). Anything else passes unchanged."""
+    try:
+        yield
+    except NetworkError as exc:  # typed by the backend; the ref's URI is what rows name
+        raise exc.with_context(uri=uri) from None
+    except PermissionError as exc:
+        raise MediaPermissionError(
+            f"this process may not read the media file ({exc.strerror or exc})", uri=uri
+        ) from None
+    except OSError as exc:
+        typed = network_error(exc, uri=uri)
+        if typed is None:
+            raise
+        raise typed from None

@@ -36,7 +36,7 @@ from PIL import Image
 
 from mmstore._exceptions import InvalidRolloutError, MmstoreError
 from mmstore._families import Family, expansion_array, family_for_layout, layout_for_fingerprint
-from mmstore._format.media import probe
+from mmstore._format.media import upright_bytes
 from mmstore._format.models import ImageRef, Rollout
 from mmstore._rows.store import Store
 from mmstore.integrations._resolver import (
@@ -70,8 +70,10 @@ def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> d
     span order (the key and item are the family's: Kimi-K2.5 takes ``"vision_chunk"``
     items); the two multimodal keys are absent when the prefix holds no image. Each span
     becomes one placeholder token (vLLM expands it, see the module notes). Images are decoded
-    from hash-verified bytes; the content hash as uuid lets vLLM's multimodal cache skip an
-    image it has processed. ``upto`` cutting inside a span is an :class:`InvalidRolloutError`.
+    from hash-verified bytes, upright (EXIF orientation applied, no tag left for vLLM to apply
+    again: the pixels the trainer gets, whichever vLLM); the content hash as uuid lets vLLM's
+    multimodal cache skip an image it has processed. ``upto`` cutting inside a span is an
+    :class:`InvalidRolloutError`.
     """
     tokens, refs = _prefix(rollout, upto)
     prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout)}
@@ -232,8 +234,10 @@ def _decode(store: Store, ref: ImageRef) -> tuple[Image.Image, Size]:
 
 
 def _data_url(store: Store, ref: ImageRef) -> tuple[str, Size]:
+    # The upright image's bytes: a phone photo's own bytes would show an engine that ignores
+    # EXIF orientation (SGLang) other pixels than the trainer and vLLM see.
     data = store.read_media(ref.uri, ref.hash)
-    fmt, width, height = probe(data, max_pixels=store.max_image_pixels, where=ref.uri)
+    data, fmt, width, height = upright_bytes(data, max_pixels=store.max_image_pixels, where=ref.uri)
     mime = Image.MIME.get(fmt, "application/octet-stream")
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}", (width, height)
 
