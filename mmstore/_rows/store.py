@@ -3,20 +3,14 @@ the writer, read-back)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
-
-from typing_extensions import Self
 
 from mmstore._families import Family
-from mmstore._format.media import DEFAULT_MAX_PIXELS
 from mmstore._format.models import Rollout
 from mmstore._rows.readback import read_rollouts
 from mmstore._rows.table import RolloutTable, TableFile
 from mmstore._rows.versions import table_of, version_files
 from mmstore._rows.writer import DEFAULT_ROW_GROUP_SIZE, RolloutWriter
-from mmstore._storage.manifest import FORMAT_VERSION
 from mmstore._storage.store import Storage
 
 
@@ -27,28 +21,9 @@ class Store(Storage):
     commit makes a new version, and every reader reads one version's files.
     """
 
-    @classmethod
-    def open_format(
-        cls,
-        root: str | os.PathLike[str],
-        create: bool,
-        formats: tuple[int, ...],
-        *,
-        trusted_roots: Iterable[str] = (),
-        s3_options: dict[str, Any] | None = None,
-        max_image_pixels: int = DEFAULT_MAX_PIXELS,
-    ) -> Self:
-        store = super().open_format(
-            root,
-            create,
-            formats,
-            trusted_roots=trusted_roots,
-            s3_options=s3_options,
-            max_image_pixels=max_image_pixels,
-        )
-        if store.created and store.manifest.get("format_version") == FORMAT_VERSION:
-            store.table.create()  # version 0, empty (a creator killed before it: see versions)
-        return store
+    def initialize(self) -> None:
+        """A new store's table: version 0, empty (a creator killed before it: see versions)."""
+        self.table.create()
 
     @property
     def table(self) -> RolloutTable:

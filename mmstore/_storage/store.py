@@ -97,7 +97,6 @@ class Storage:
         self.max_image_pixels = max_image_pixels
         # Whether this process's open() wrote the manifest (the store's rows stage then
         # creates the rollouts table too).
-        self.created = False
         self._external: dict[str, Backend] = {}
 
     def __repr__(self) -> str:
@@ -171,8 +170,12 @@ class Storage:
             s3_options=s3_options,
             max_image_pixels=max_image_pixels,
         )
-        store.created = created
+        if created:
+            store.initialize()
         return store
+
+    def initialize(self) -> None:
+        """What a new store needs besides its manifest (subclasses add their parts)."""
 
     # -- media ---------------------------------------------------------------------------
 
