@@ -164,6 +164,7 @@ class SyntheticStore:
                 pa.array(np.arange(rows + 1, dtype=np.int32) * IMAGES_PER_ROW), refs
             ),
             "metadata": pa.nulls(rows, pa.string()),
+            "policy_version": pa.nulls(rows, pa.int64()),
         }
         return pa.Table.from_pydict(columns).cast(ROLLOUT_SCHEMA)
 

@@ -115,8 +115,11 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "table": (
         "benchmarks.bench_table",
         [
+            ("whole writer commit: v1 (rename) / v2 (rename + log)", "writer_v1_over_v2", "better"),
             ("commit: rename-only / Delta log commit", "rename_over_log", "better"),
             ("Delta commit: small / 10k-file table (at scale 1)", "log_small_over_large", "flat"),
+            ("commit: 10 / 10k committed files", "commit_10_over_10k_files", "flat"),
+            ("dataset build: 10 / 10k committed files", "build_10_over_10k_files", "flat"),
             (
                 "snapshot: listing / Delta open (checkpoint + 19 entries)",
                 "listing_over_delta_latest",
@@ -139,6 +142,23 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
                 "s3_30ms_listing_over_delta_latest",
                 "better",
             ),
+        ],
+    ),
+    # The live loader (asynchronous RL) against a RolloutLoader built per step.
+    "live": (
+        "benchmarks.bench_live",
+        [
+            (
+                "live step start p50: per-step loader / LiveLoader",
+                "per_step_over_live_p50",
+                "better",
+            ),
+            (
+                "live step start p99: per-step loader / LiveLoader",
+                "per_step_over_live_p99",
+                "better",
+            ),
+            ("live step start p50 / decode+process floor", "live_p50_over_floor", "lower"),
         ],
     ),
 }

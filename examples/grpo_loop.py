@@ -8,7 +8,9 @@ the trainer then makes one pass over that run, one optimizer step per loader ste
 PPO/GRPO clipped objective against the stored inference logprobs. Every ``--ckpt-every`` steps
 it saves model, optimizer and ``loader.state_dict()`` in one file (atomically), pins the rows
 the rest of the pass needs and releases older generations; ``gc`` runs after every step. A
-rerun resumes from the file and ends on the same weights, bit for bit (CPU, deterministic).
+rerun resumes from the file (it prints ``{"resumed": N}``, N the checkpoint's step) and ends
+on the same weights, bit for bit (CPU, deterministic). A rerun of a finished run prints
+``{"finished": N}`` and changes nothing. Each optimizer step prints its loss.
 ``--replay`` then exports the last checkpoint's window and computes its first step's loss
 from both stores.
 
@@ -23,12 +25,15 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
+import time
 from itertools import compress
 from typing import Any
 
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
 
@@ -46,14 +51,14 @@ def qwen2_vl() -> tuple[torch.nn.Module, Any, list[int]]:
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
                            video_token_id=151656, vision_start_token_id=151652)  # fmt: skip
-    processor = Qwen2VLImageProcessorPil(max_pixels=160 * 120)
+    processor = Qwen2VLImageProcessor(max_pixels=160 * 120)  # torchvision: the fast backend
     return Qwen2VLForConditionalGeneration(config), processor, [151652, 151653]
 
 
 def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
     """The same for GLM-4.1V (its published token ids)."""
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
             "partial_rotary_factor": 0.5}  # fmt: skip
@@ -67,7 +72,7 @@ def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
                          image_end_token_id=151340, video_start_token_id=151341,
                          video_end_token_id=151342)  # fmt: skip
     size = {"shortest_edge": 112 * 112, "longest_edge": 160 * 120}
-    processor = Glm4vImageProcessorPil(size=size)
+    processor = Glm4vImageProcessor(size=size)
     return Glm4vForConditionalGeneration(config), processor, [151339, 151340]
 
 
@@ -125,25 +130,34 @@ def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Names
     A step already committed (by a run that was killed later) is kept, not written twice:
     the policy and the seeds are the same, so it holds what this run would write. The
     generation is the producer and the step its seq: the table commits each step once."""
-    adapter = mmstore.adapter_for(processor)
     done = store.table.producer_seq(run)  # the last step this generation committed
     for step in range(args.steps_per_gen):
         if done is not None and step <= done:
             continue
-        rng = random.Random(f"{run}/{step}")
         with store.writer(run_id=run, step=step, producer=run, seq=step) as writer:
-            for p in range(args.prompts):
-                task = rng.randrange(10_000)
-                group = [play(rng, store, adapter, wrap, task) for _ in range(args.group_size)]
-                rewards = torch.tensor([g[3] for g in group])
-                advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-                for k, (tokens, refs, mask, reward, images) in enumerate(group):
-                    writer.write(mmstore.Rollout(
-                        sample_id=f"{run}-{step}-{p}-{k}", group_id=f"{run}-{step}-{p}",
-                        tokens=tokens, prompt_len=mask.index(True), loss_mask=mask,
-                        logprobs=inference_logprobs(model, processor, tokens, mask, images),
-                        images=refs, reward=reward, advantage=float(advantages[k]),
-                    ))  # fmt: skip
+            write_groups(writer, store, model, processor, wrap, f"{run}-{step}", args.prompts,
+                         args.group_size, seed=f"{run}/{step}")  # fmt: skip
+
+
+def write_groups(writer, store, model, processor, wrap, name: str, prompts: int, size: int,
+                 seed: str, policy_version: int | None = None) -> None:  # fmt: skip
+    """``prompts`` GRPO groups of ``size`` episodes (sample ids ``<name>-<group>-<k>``),
+    drawn from a generator seeded by ``seed``, into ``writer``."""
+    adapter = mmstore.adapter_for(processor)
+    rng = random.Random(seed)
+    for p in range(prompts):
+        task = rng.randrange(10_000)
+        group = [play(rng, store, adapter, wrap, task) for _ in range(size)]
+        rewards = torch.tensor([g[3] for g in group])
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for k, (tokens, refs, mask, reward, images) in enumerate(group):
+            writer.write(mmstore.Rollout(
+                sample_id=f"{name}-{p}-{k}", group_id=f"{name}-{p}",
+                tokens=tokens, prompt_len=mask.index(True), loss_mask=mask,
+                logprobs=inference_logprobs(model, processor, tokens, mask, images),
+                images=refs, reward=reward, advantage=float(advantages[k]),
+                policy_version=policy_version,
+            ))  # fmt: skip
 
 
 @torch.no_grad()
@@ -196,14 +210,17 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, trained) -> None:
-    """Pin the pass's rows first, then save; then drop older pins and generations."""
+def checkpoint(store, path: str, model, opt, loader, gen: int, step: int, trained,
+               finished: bool = False) -> None:  # fmt: skip
+    """Pin the pass's rows first, then save; then drop older pins and generations.
+    ``finished``: the last generation's pass is done; a rerun must not train again."""
     name = f"{PIN_PREFIX}{step}"
     # The rest of this pass reads these rows, of the table version the loader state names.
     version = loader.state_dict()["table_version"]
     mmstore.pin_rows(store, name, runs=[f"gen-{gen}"], version=version)
     save_checkpoint(path, dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen,
-                               step=step, loader=loader.state_dict(), trained=trained))  # fmt: skip
+                               step=step, loader=loader.state_dict(), trained=trained,
+                               finished=finished))  # fmt: skip
     for old in mmstore.list_pins(store):
         if old.startswith(PIN_PREFIX) and old != name:
             mmstore.unpin(store, old)
@@ -219,10 +236,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = torch.load(args.ckpt) if os.path.exists(args.ckpt) else None
     start_gen, step, trained = 0, 0, []
+    if ckpt is not None and ckpt.get("finished") and ckpt["gen"] >= args.gens - 1:
+        # Done already: another pass would train the last generation twice.
+        print(json.dumps({"finished": ckpt["step"], "ckpt": args.ckpt}), flush=True)
+        return {"step": ckpt["step"], "trained": ckpt["trained"], "finished": True}
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start_gen, step, trained = ckpt["gen"], ckpt["step"], ckpt["trained"]
+        print(json.dumps({"resumed": step, "gen": start_gen}), flush=True)
+        if ckpt.get("finished"):  # a finished run given more --gens: the next generation
+            start_gen, ckpt = start_gen + 1, None
     for gen in range(start_gen, args.gens):
         run = f"gen-{gen}"
         write_rollouts(store, model.eval(), processor, wrap, run, args)
@@ -231,9 +255,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             loader.load_state_dict(ckpt["loader"])  # the rest of this pass, exactly
         model.train()
         ids: list[str] = []
+        step_loss = 0.0
         for batch in loader:
             loss = micro_loss(model, batch, loader.model_input_names, args.batch_size, args.clip)
             loss.backward()
+            step_loss += float(loss.detach())  # micro-batch losses add up to the step's
             ids += compress(batch["sample_ids"], (~batch["is_filler"]).tolist())
             if batch["micro"] + 1 < batch["num_micro"]:
                 continue  # gradient accumulation over the step's micro-batches
@@ -242,14 +268,129 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             step += 1
             trained.append(ids)
             ids = []
-            print(json.dumps({"step": step, "gen": gen, "samples": len(trained[-1])}), flush=True)
+            report = {"step": step, "gen": gen, "samples": len(trained[-1]), "loss": step_loss}
+            print(json.dumps(report), flush=True)
+            step_loss = 0.0
             if step % args.ckpt_every == 0:
                 checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
             mmstore.gc(store, grace_seconds=0)  # between steps: nothing a resume needs goes
         ckpt = None
         if gen == args.gens - 1:
-            checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained)
-    return {"step": step, "trained": trained}
+            checkpoint(store, args.ckpt, model, opt, loader, gen, step, trained, finished=True)
+    return {"step": step, "trained": trained, "finished": False}
+
+
+# ---------------------------------------------------------------- asynchronous (--async-level)
+
+ASYNC_RUN = "async"
+
+
+def weights_path(args: argparse.Namespace, version: int) -> str:
+    """Where the trainer publishes the weights after ``version`` optimizer steps."""
+    return f"{args.ckpt}.weights/{version}.pt"
+
+
+def rollout_async(args: argparse.Namespace) -> None:
+    """The rollout side: step ``n`` (one commit of ``batch_size`` samples) is generated with
+    the weights after ``n - K`` optimizer steps, waiting for the trainer to publish them.
+    Restarted, it goes on after the last step the table says it committed (exactly once:
+    it is producer ``rollout``, the step its seq)."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    store = mmstore.Store.open(args.store, create=True)
+    model, processor, wrap = build_model(args.family)
+    done = store.table.producer_seq("rollout")
+    for n in range(0 if done is None else done + 1, args.gens * args.steps_per_gen):
+        policy = max(0, n - args.async_level)
+        model.load_state_dict(wait_for_weights(args, policy))
+        with store.writer(ASYNC_RUN, n, producer="rollout", seq=n) as writer:
+            write_groups(writer, store, model.eval(), processor, wrap, f"{ASYNC_RUN}-{n}",
+                         args.batch_size // args.group_size, args.group_size,
+                         seed=f"{ASYNC_RUN}/{n}", policy_version=policy)  # fmt: skip
+        print(json.dumps({"rollout": n, "policy": policy}), flush=True)
+
+
+def wait_for_weights(args: argparse.Namespace, version: int) -> dict[str, Any]:
+    path = weights_path(args, version)
+    deadline = time.monotonic() + args.timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer did not publish {path} in {args.timeout} s")
+        time.sleep(0.05)
+    return torch.load(path)
+
+
+def train_async(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer: optimizer step ``s`` trains the next ``batch_size`` samples the rollout
+    side committed (a LiveLoader: waits for them, exactly once across restarts), then
+    publishes its weights for the rollout side and checkpoints model, optimizer and loader
+    state in one file."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    store = mmstore.Store.open(args.store, create=True)
+    model, processor, _ = build_model(args.family)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    total = args.gens * args.steps_per_gen
+    live = mmstore.LiveLoader(
+        store, processor, runs=[ASYNC_RUN], batch_size=args.batch_size, dtype=torch.float32,
+        max_tokens=args.max_tokens, max_staleness=args.async_level, num_workers=args.workers,
+    )  # fmt: skip
+    trained: list[list[str]] = []
+    ckpt = torch.load(args.ckpt) if os.path.exists(args.ckpt) else None
+    if ckpt is not None and ckpt["finished"]:
+        print(json.dumps({"finished": ckpt["step"], "ckpt": args.ckpt}), flush=True)
+        return {"step": ckpt["step"], "trained": ckpt["trained"], "finished": True}
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        live.load_state_dict(ckpt["loader"])
+        trained = ckpt["trained"]
+        print(json.dumps({"resumed": ckpt["step"]}), flush=True)
+    else:
+        publish(args, model, 0)
+    model.train()
+    with live:
+        for step in range(live.step, total):
+            ids: list[str] = []
+            step_loss = 0.0
+            for batch in live.next_step(policy_version=step, timeout=args.timeout):
+                loss = micro_loss(model, batch, live.model_input_names, args.batch_size,
+                                  args.clip)  # fmt: skip
+                loss.backward()
+                step_loss += float(loss.detach())
+                ids += compress(batch["sample_ids"], (~batch["is_filler"]).tolist())
+            opt.step()
+            opt.zero_grad()
+            trained.append(ids)
+            publish(args, model, step + 1)  # again after a restart: the same bytes
+            state = dict(model=model.state_dict(), opt=opt.state_dict(), step=step + 1,
+                         loader=live.state_dict(), trained=trained)  # fmt: skip
+            save_checkpoint(args.ckpt, {**state, "finished": step + 1 == total})
+            report = {"step": step + 1, "loss": step_loss, "samples": len(ids)}
+            print(json.dumps(report), flush=True)
+    return {"step": total, "trained": trained, "finished": False}
+
+
+def publish(args: argparse.Namespace, model: torch.nn.Module, version: int) -> None:
+    os.makedirs(os.path.dirname(weights_path(args, version)), exist_ok=True)
+    save_checkpoint(weights_path(args, version), model.state_dict())
+
+
+def run_async(args: argparse.Namespace) -> dict[str, Any]:
+    """Both sides: the rollout side in its own process, the trainer in this one."""
+    if args.role == "rollout":
+        rollout_async(args)
+        return {"finished": True}
+    if args.role == "train":
+        return train_async(args)
+    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--role", "rollout"]
+    rollout = subprocess.Popen(command)
+    try:
+        result = train_async(args)
+    finally:
+        if rollout.wait(timeout=args.timeout):
+            raise SystemExit(f"the rollout process failed ({rollout.returncode})")
+    return result
 
 
 def replay(args: argparse.Namespace, dest: str) -> tuple[float, float]:
@@ -290,13 +431,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--replay", metavar="DEST", help="then export the last window to DEST (new)")
+    p.add_argument(
+        "--async-level",
+        type=int,
+        metavar="K",
+        help="asynchronous: the rollout side, in its own process, generates step n "
+        "with the weights of step n-K; the trainer follows it with a LiveLoader",
+    )
+    p.add_argument(
+        "--role",
+        choices=["rollout", "train"],
+        help="with --async-level: run only this side (default: both)",
+    )
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the other side")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse()
-    result = train(args)
-    print(json.dumps({"done": result["step"]}), flush=True)
-    if args.replay:
+    result = train(args) if args.async_level is None else run_async(args)
+    if not result["finished"]:
+        print(json.dumps({"done": result["step"]}), flush=True)
+    if args.replay and os.path.exists(args.replay):
+        print(json.dumps({"replay_exists": args.replay}), flush=True)  # exported before
+    elif args.replay:
         store_loss, export_loss = replay(args, args.replay)
         print(json.dumps({"store_loss": store_loss, "export_loss": export_loss}))

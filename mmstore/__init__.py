@@ -14,6 +14,7 @@ from mmstore._exceptions import (
     InvalidArgumentError,
     InvalidRolloutError,
     LayoutMismatchError,
+    LiveTimeoutError,
     MediaError,
     MediaNotFoundError,
     MediaPermissionError,
@@ -22,8 +23,10 @@ from mmstore._exceptions import (
     NoMatchError,
     NotAStoreError,
     PinnedRowsError,
+    RunNotFoundError,
     SampleTooLongError,
     SchemaVersionError,
+    StepNotCommittedError,
     TableConflictError,
     TableError,
     TableForkError,
@@ -54,6 +57,7 @@ QwenVLAdapter = QwenVL
 if TYPE_CHECKING:
     from mmstore._loading.dataset import RolloutDataset, RolloutLoader
     from mmstore._loading.distinct import expand_images
+    from mmstore._loading.live import LiveLoader
 
 __version__ = "0.1.0"
 
@@ -63,6 +67,7 @@ _TORCH_NAMES = {
     "RolloutDataset": "._loading.dataset",
     "RolloutLoader": "._loading.dataset",
     "expand_images": "._loading.distinct",
+    "LiveLoader": "._loading.live",
 }
 
 
@@ -82,6 +87,8 @@ __all__ = [
     "DestinationExistsError",
     "InvalidArgumentError",
     "NoMatchError",
+    "RunNotFoundError",
+    "StepNotCommittedError",
     "ROLLOUT_SCHEMA",
     "SCHEMA_VERSION",
     "DecompressionBombError",
@@ -94,6 +101,8 @@ __all__ = [
     "Family",
     "Layout",
     "LayoutMismatchError",
+    "LiveLoader",
+    "LiveTimeoutError",
     "Token",
     "SampleTooLongError",
     "MediaError",

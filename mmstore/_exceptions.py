@@ -16,6 +16,8 @@
     ├── InvalidArgumentError       (ValueError)      a malformed or out-of-range argument
     ├── CorruptFileError           (ValueError)      a committed rollout or pin file that won't read
     ├── NoMatchError               (LookupError)     nothing matches a selection, id or name
+    │   ├── RunNotFoundError                         a run the table version has never held
+    │   └── StepNotCommittedError                    a known run's step not committed (yet)
     ├── DestinationExistsError     (FileExistsError) an export into a location holding data
     ├── DeleteFailedError          (OSError)         files a release could not delete
     ├── TableError                                   the rollouts table (its Delta log) refused
@@ -25,6 +27,7 @@
     │   ├── TableForkError         (RuntimeError)    delta-rs called in a forked child
     │   └── VersionMismatchError   (RuntimeError)    ranks (or a state) name other versions
     ├── PinnedRowsError            (RuntimeError)    a release of rows a pin holds
+    ├── LiveTimeoutError           (TimeoutError)    a live step not complete in time
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   └── DecompressionBombError                   more pixels than the configured limit
     ├── MediaError                                   media bytes cannot be served as requested
@@ -49,6 +52,8 @@ E = TypeVar("E", bound="MmstoreError")
 class MmstoreError(Exception):
     """Base of every mmstore error. ``context`` holds where it happened."""
 
+    __module__ = "mmstore"  # its subclasses get theirs from __init_subclass__
+
     #: True where the same call may succeed if tried again (:class:`NetworkError`): the data
     #: is fine, the way to it failed. A caller's retry loop reads this, not the message.
     retryable = False
@@ -56,6 +61,15 @@ class MmstoreError(Exception):
     def __init__(self, message: str, **context: Any) -> None:
         super().__init__()
         self._describe(message, context)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Tracebacks name a class by its module: show the public `mmstore.NoMatchError`, not
+        # `mmstore._exceptions.NoMatchError`. Pickle finds it there too (mmstore exports every
+        # error; tests/test_exceptions.py checks). Only this module's classes: a user's own
+        # subclass keeps its module.
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__:
+            cls.__module__ = "mmstore"
 
     def _describe(self, message: str, context: dict[str, Any]) -> None:
         self.message = message
@@ -141,6 +155,17 @@ class NoMatchError(MmstoreError, LookupError):
     """Nothing in the store matches a selection, sample id or pin name."""
 
 
+class RunNotFoundError(NoMatchError):
+    """A selection names a run the table version holds no rows of (a typo, or a run not
+    started yet): ``err.missing_runs`` are those runs; the message names the runs there are.
+    A consumer polling for new steps should stop here rather than wait."""
+
+
+class StepNotCommittedError(NoMatchError):
+    """A selection names steps of runs the table version holds, but none of those steps is
+    committed (not written yet, or released): polling again later may find them."""
+
+
 class DestinationExistsError(MmstoreError, FileExistsError):
     """An export destination that already holds a store or other files."""
 
@@ -217,3 +242,9 @@ class NetworkError(MmstoreError, ConnectionError):
     ``location``, and the file, run and step, or the URI, sample and image."""
 
     retryable = True
+
+
+class LiveTimeoutError(MmstoreError, TimeoutError):
+    """A :class:`LiveLoader` step was not complete within its ``timeout``: nothing was
+    consumed, and calling ``next_step`` again waits on. Names the runs followed, the step,
+    the samples waiting and the samples a step needs."""

@@ -10,33 +10,46 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
+import shutil
 import sys
+import textwrap
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from mmstore import __version__, debug
 from mmstore import _demo as demo
-from mmstore._exceptions import MmstoreError, NoMatchError, NotAStoreError
+from mmstore._exceptions import (
+    MmstoreError,
+    NotAStoreError,
+    RunNotFoundError,
+    StepNotCommittedError,
+)
 from mmstore._lifecycle.export import export
-from mmstore._lifecycle.gc import gc, release_run
+from mmstore._lifecycle.gc import DiskUsage, GcReport, disk_usage, gc, release_run
 from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
 from mmstore._lifecycle.upgrade import upgrade
 from mmstore._lifecycle.verify import verify
+from mmstore._rows.files import holdings
 from mmstore._rows.store import Store
+from mmstore._storage.backends import s3_filesystem
 from mmstore._storage.store import CREATE_REMEDY
 
 PROG = "mmstore"
-TEXT_WIDTH = 96  # lines of prose; tables fit 100 columns for the usual run and sample ids
+# Output fits the terminal (COLUMNS, else the terminal's width, else this many columns).
+DEFAULT_WIDTH = 100
 GRACE_HELP = (
     "keep unreferenced media younger than this many seconds (default 3600, one hour): "
     "rows still being written may be about to reference it"
 )
-# Columns of `stats`, renamed so a row fits a 100-column terminal.
+# Columns of `stats`, renamed so that rows stay narrow.
 STATS_COLUMNS = {
     "run_id": "run",
     "step": "step",
@@ -51,7 +64,8 @@ STATS_COLUMNS = {
     "missing_media": "missing",
 }
 BYTE_COLUMNS = ("parquet_bytes", "media_bytes", "disk_bytes", "dense_fp32_bytes")
-# Integer options of the demo, handed to mmstore._demo.main only when given.
+# Integer options of the demo, handed to mmstore._demo.main only when given (its own
+# defaults are shown in --help).
 DEMO_OPTIONS = {
     "groups": "GRPO groups per step",
     "group_size": "samples per group (they share their screenshots)",
@@ -83,7 +97,7 @@ def _run(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if getattr(args, "view", None) and args.sample is None:
-        parser.error("inspect --view needs --sample ID")
+        args.usage_error("--view needs --sample ID (the sample to draw)")
     try:
         return int(args.handler(args) or 0)
     except BrokenPipeError:
@@ -118,10 +132,30 @@ def _open(root: str) -> Store:
     try:
         return Store.open(root)
     except NotAStoreError as exc:
+        bucket = _missing_bucket(root)
+        if bucket is not None:
+            raise NotAStoreError(
+                f"no mmstore store at {root!r}: the bucket {bucket!r} does not exist (check "
+                "its name, and AWS_ENDPOINT_URL for an S3-protocol server)",
+                bucket=bucket,
+            ) from None
         if not exc.message.endswith(CREATE_REMEDY):
             raise
         remedy = "check the path (a store's root holds mmstore.json)"
         raise NotAStoreError(exc.message.removesuffix(CREATE_REMEDY) + remedy) from None
+
+
+def _missing_bucket(root: str) -> str | None:
+    """The bucket of an ``s3://`` root when the object store says it does not exist; None
+    for a local root, an existing bucket, or a store that cannot be asked."""
+    if not root.startswith("s3://"):
+        return None
+    bucket = root[len("s3://") :].split("/", 1)[0]
+    try:
+        info = s3_filesystem().get_file_info(bucket)
+    except (OSError, pa.ArrowException):
+        return None
+    return bucket if info.type == pafs.FileType.NotFound else None
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -155,6 +189,7 @@ def _inspect(args: argparse.Namespace) -> int:
         pl.col("images").list.len().alias("images"),
         "reward",
         "advantage",
+        pl.col("policy_version").alias("policy"),
     )
     rows = (listing.head(args.limit) if args.limit > 0 else listing).collect()
     if args.json:
@@ -163,13 +198,25 @@ def _inspect(args: argparse.Namespace) -> int:
     if total == 0:
         where = _where(args)
         if where:
-            raise NoMatchError(f"no rollouts match {where}", root=args.root)
+            _no_match(store, args, where)
         print("the store holds no rollouts")
         return 0
-    _print_table(rows)
+    _print_table(rows, keys=("run_id", "step", "sample_id"))
     shown = rows.height
     print(f"{shown} of {total} rollouts" + ("" if shown == total else " (--limit 0 shows all)"))
     return 0
+
+
+def _no_match(store: Store, args: argparse.Namespace, where: str) -> None:
+    """Raise the error for an ``inspect`` selection that matched nothing, naming what the
+    store holds: a run it never held, or a step of a run it holds."""
+    held: dict[str, set[int]] = {}
+    for file in store.files():
+        held.setdefault(file.run_id, set()).add(file.step)
+    message = f"no rollouts match {where}; the store holds {holdings(held)}"
+    if args.run is not None and args.run not in held:
+        raise RunNotFoundError(message, root=args.root, missing_runs=[args.run])
+    raise StepNotCommittedError(message, root=args.root)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -177,18 +224,59 @@ def _stats(args: argparse.Namespace) -> int:
     by = {"step": ("run_id", "step"), "run": ("run_id",), "store": ()}[args.by]
     table = debug.summary(store, by=by)
     total = debug.summary(store, by=()) if by else table
+    usage = disk_usage(store, grace_seconds=args.grace)
     if args.json:
-        _print_json({"rows": table.to_dicts(), "total": total.row(0, named=True)})
+        _print_json(
+            {"rows": table.to_dicts(), "total": total.row(0, named=True), "disk": usage.to_dict()}
+        )
         return 0
     if table.height == 0 or total["samples"].item() == 0:
         print("the store holds no rollouts")
-        return 0
-    _print_table(_stats_view(table))
-    if by:
-        print()
-        print("whole store (media shared between steps counted once):")
-        _print_table(_stats_view(total))
+    else:
+        _print_table(_stats_view(table), keys=("run", "step"))
+        if by:
+            print()
+            print("whole store (media shared between steps counted once):")
+            _print_table(_stats_view(total), keys=())
+    print()
+    print("\n".join(_disk_lines(usage)))
     return 0
+
+
+def _disk_lines(usage: DiskUsage) -> list[str]:
+    """Where the bytes on disk are, and what gc would free, now and after the grace."""
+    pinned = f" ({usage.media_pinned_only} held by pins alone)" if usage.media_pinned_only else ""
+    parts = [
+        ("rollout files", usage.rollout_files, usage.rollout_bytes, ""),
+        ("media, referenced", usage.media_referenced, usage.media_referenced_bytes, pinned),
+        ("media, unreferenced", usage.media_unreferenced, usage.media_unreferenced_bytes, ""),
+    ]
+    lines = [f"on disk: {_human_bytes(usage.total_bytes)}"]
+    lines += [f"  {name:<20}{n:>7} files  {_human_bytes(b):>10}{why}" for name, n, b, why in parts]
+    if usage.staging_bytes:
+        lines.append(f"  (and {_human_bytes(usage.staging_bytes)} of in-flight writes in _staging)")
+    lines.append(
+        f"gc --grace {usage.grace_seconds:g} would free {_human_bytes(usage.free_now_bytes)} "
+        f"now ({usage.free_now_files} files)"
+        + _grace_clause(usage.grace_files, usage.grace_bytes, usage.free_by, usage.grace_seconds)
+    )
+    return _wrap(lines)
+
+
+def _grace_clause(files: int, nbytes: int, free_by: float | None, grace: float) -> str:
+    """``; it keeps 3 files (1.2 MiB) for the grace period (3600 s), until 01:50 UTC``."""
+    if not files:
+        return ""
+    until = "" if free_by is None else f", until {_when(free_by)}"
+    return (
+        f"; keeps {files} files ({_human_bytes(nbytes)}) for the grace period "
+        f"({grace:g} s: released rows, unreferenced media not yet that old){until}"
+    )
+
+
+def _when(moment: float) -> str:
+    minutes = max(0, round((moment - time.time()) / 60))
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(moment)) + f" (in {minutes} min)"
 
 
 def _stats_view(frame: pl.DataFrame) -> pl.DataFrame:
@@ -238,16 +326,36 @@ def _gc(args: argparse.Namespace) -> int:
         _print_json(report.to_dict())
         return 0
     verb = "would delete" if report.dry_run else "deleted"
-    for path in report.deleted:
+    for path in [*report.rollout_files_deleted, *report.deleted]:
         print(f"{verb} {path}")
-    print(
-        f"{verb} {len(report.deleted)} media files ({_human_bytes(report.bytes_freed)}), "
-        f"kept {report.kept} ({_human_bytes(report.bytes_kept)}); "
-        f"{report.referenced} hashes referenced; "
-        f"{len(report.staging_cleared)} staging files "
-        + ("would be cleared" if report.dry_run else "cleared")
-    )
+    print("\n".join(_gc_lines(report, disk_usage(store, grace_seconds=args.grace))))
     return 0
+
+
+def _gc_lines(report: GcReport, usage: DiskUsage) -> list[str]:
+    """What a gc deleted and why it kept the rest: referenced, pinned, or in the grace."""
+    verb = "would delete" if report.dry_run else "deleted"
+    cleared = "would clear" if report.dry_run else "cleared"
+    referenced = min(report.kept, usage.media_referenced)
+    pinned = f", {usage.media_pinned_only} of them by pins alone" if usage.media_pinned_only else ""
+    young = report.kept - referenced
+    until = "" if usage.free_by is None else f", until {_when(usage.free_by)}"
+    lines = [
+        f"{verb} {len(report.deleted)} media files ({_human_bytes(report.bytes_freed)}) and "
+        f"{len(report.rollout_files_deleted)} rollout files "
+        f"({_human_bytes(report.rollout_bytes_freed)}); {cleared} "
+        f"{len(report.staging_cleared)} staging files",
+        f"kept {report.kept} media files ({_human_bytes(report.bytes_kept)}): {referenced} "
+        f"referenced by rows of the latest version or pins{pinned}"
+        + (
+            f"; {young} only for the grace period ({report.grace_seconds:g} s){until}"
+            if young
+            else ""
+        ),
+        f"kept {report.rollout_files_kept} rollout files (a version a reader may still read, "
+        "or pinned, lists them; or younger than the grace period)",
+    ]
+    return _wrap(lines)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -282,13 +390,11 @@ def _release(args: argparse.Namespace) -> int:
     deleted = "would delete" if args.dry_run else "deleted"
     for path in report.removed_files:
         print(f"{removed} {path}")
-    for path in report.gc.deleted:
+    for path in [*report.gc.rollout_files_deleted, *report.gc.deleted]:
         print(f"{deleted} {path}")
-    print(
-        f"run {args.run_id}: {removed} {len(report.removed_files)} rollout files; gc "
-        f"{deleted} {len(report.gc.deleted)} media files ({_human_bytes(report.gc.bytes_freed)}),"
-        f" kept {report.gc.kept}"
-    )
+    print(f"run {args.run_id}: {removed} {len(report.removed_files)} rollout files "
+          "from the latest version")  # fmt: skip
+    print("\n".join(_gc_lines(report.gc, disk_usage(store, grace_seconds=args.grace))))
     return 0
 
 
@@ -358,8 +464,12 @@ def _parser() -> argparse.ArgumentParser:
         "--root", help="where to write the store, which is kept (default ./mmstore-demo)"
     )
     p.add_argument("--tmp", action="store_true", help="use a temporary store, deleted at the end")
+    defaults = inspect.signature(demo.main).parameters
     for name, help in DEMO_OPTIONS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", help=help)
+        default = defaults[name].default
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, metavar="N", help=f"{help} (default {default})"
+        )
 
     p = command("inspect", _inspect, "list rollouts, or show one sample")
     p.add_argument("root", help="store path or s3://bucket/prefix")
@@ -368,10 +478,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", metavar="ID", help="show this sample in detail")
     p.add_argument("--limit", type=int, default=20, help="rows to list (0: all; default 20)")
     p.add_argument("--view", metavar="PNG", help="with --sample: render the sample to a PNG")
+    p.set_defaults(usage_error=p.error)  # a usage error names this subcommand's usage
 
     p = command("stats", _stats, "per run/step counts, dedup, bytes, rewards, missing media")
     p.add_argument("root", help="store path or s3://bucket/prefix")
-    p.add_argument("--by", choices=("step", "run", "store"), default="step")
+    p.add_argument(
+        "--by",
+        choices=("step", "run", "store"),
+        default="step",
+        help="one table row per run and step, per run, or one for the store (default step)",
+    )
+    p.add_argument(
+        "--grace",
+        type=_seconds,
+        default=3600,
+        metavar="SECONDS",
+        help="the grace period to say what gc would free with (default 3600)",
+    )
 
     p = command("verify", _verify, "check that every ref resolves and every hash matches")
     p.add_argument("root", help="store path or s3://bucket/prefix")
@@ -400,7 +523,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("release", _release, "drop a run's rollouts from the latest version, then gc")
     p.add_argument("root", help="store path or s3://bucket/prefix")
-    p.add_argument("run_id")
+    p.add_argument("run_id", metavar="RUN_ID", help="the run whose rows to release")
     p.add_argument("--grace", type=_seconds, default=3600, metavar="SECONDS", help=GRACE_HELP)
     p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     p.add_argument(
@@ -454,8 +577,24 @@ def _json_text(value: Any, indent: str = "") -> str:
     return json.dumps(value, default=str)
 
 
-def _print_table(frame: pl.DataFrame) -> None:
-    print(_table_text(frame))
+def _print_table(frame: pl.DataFrame, keys: Sequence[str] = ()) -> None:
+    print(_table_text(frame, keys=keys))
+
+
+def _width() -> int:
+    """The terminal's columns (``COLUMNS`` first, as ``shutil`` reads it)."""
+    return max(40, shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
+
+
+def _wrap(lines: list[str]) -> list[str]:
+    """Each line wrapped at the terminal's width, continuations indented."""
+    width = _width()
+    return [
+        part
+        for line in lines
+        for part in textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)
+        or [""]
+    ]
 
 
 def _human_bytes(n: float | None) -> str:
@@ -474,6 +613,10 @@ def _human_bytes_columns(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _unknown(value: Any) -> Any:
+    return "unknown" if value is None else value
+
+
 def _describe_sample(row: dict[str, Any]) -> str:
     tokens, prompt = row["tokens"], row["prompt_len"]
     lines = [
@@ -481,11 +624,12 @@ def _describe_sample(row: dict[str, Any]) -> str:
         f"group {row['group_id']}",
         f"tokens {len(tokens)}: prompt {prompt}, completion {len(tokens) - prompt}, "
         f"in loss {sum(row['loss_mask'])}",
-        f"reward {row['reward']}  advantage {row['advantage']}",
-        *_wrap_parts(_spans(row), prefix="spans  "),
+        f"reward {row['reward']}  advantage {row['advantage']}  "
+        f"policy version {_unknown(row.get('policy_version'))}",
     ]
     if row["metadata"]:
         lines.append(f"metadata {row['metadata']}")
+    lines = [*_wrap(lines), *_wrap_parts(_spans(row), prefix="spans  ")]
     lines.append(f"images ({len(row['images'])}):")
     if row["images"]:
         refs = pl.DataFrame(
@@ -503,26 +647,72 @@ def _describe_sample(row: dict[str, Any]) -> str:
                 for i, ref in enumerate(row["images"])
             ]
         )
-        lines.append(_table_text(refs))
+        lines.append(_table_text(refs, keys=("index",)))
     return "\n".join(lines)
 
 
-def _table_text(frame: pl.DataFrame) -> str:
-    """A plain, aligned table of every row and column: numbers right, text left, two spaces
-    between columns, no trailing blanks, floats to 3 decimals, nulls as ``-``."""
+def _table_text(frame: pl.DataFrame, keys: Sequence[str] = ()) -> str:
+    """A plain, aligned table of every row and column that fits the terminal: numbers right,
+    text left, two spaces between columns, no trailing blanks, floats to 3 decimals, nulls
+    as ``-``. Where it is too wide, the widest text cells are cut in the middle (a URI keeps
+    its hash's start and its extension), and columns that still do not fit go on to a second
+    table below, which repeats the ``keys`` columns so that its rows read on their own."""
+    width = _width()
     header = list(frame.columns)
     numeric = [frame.schema[c].is_numeric() for c in header]
     cells = [[_cell(v) for v in row] for row in frame.iter_rows()]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    _shrink_text_columns(widths, numeric, width)
+    cells = [[v if len(v) <= widths[i] else _cut(v, widths[i]) for i, v in enumerate(r)]
+             for r in cells]  # fmt: skip
 
-    def line(values: list[str]) -> str:
-        parts = [
-            v.rjust(w) if num else v.ljust(w)
-            for v, w, num in zip(values, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
+    def table(columns: list[int]) -> str:
+        def line(values: list[str]) -> str:
+            parts = [values[i].rjust(widths[i]) if numeric[i] else values[i].ljust(widths[i])
+                     for i in columns]  # fmt: skip
+            return "  ".join(parts).rstrip()
 
-    return "\n".join([line(header), *(line(r) for r in cells)])
+        return "\n".join([line(header), *(line(r) for r in cells)])
+
+    key_index = [i for i, h in enumerate(header) if h in keys]
+    return "\n\n".join(table(group) for group in _column_groups(widths, key_index, width))
+
+
+def _shrink_text_columns(widths: list[int], numeric: list[bool], width: int) -> None:
+    """Narrow the widest text columns (to no less than 16) until a line fits ``width``."""
+    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    while excess > 0:
+        wide = [i for i, w in enumerate(widths) if not numeric[i] and w > 16]
+        if not wide:
+            return
+        i = max(wide, key=lambda c: widths[c])
+        cut = min(excess, widths[i] - 16)
+        widths[i] -= cut
+        excess -= cut
+
+
+def _column_groups(widths: list[int], keys: list[int], width: int) -> list[list[int]]:
+    """Columns in groups whose lines fit ``width``; every group starts with the keys."""
+    groups: list[list[int]] = []
+    current = list(keys)
+    for i in range(len(widths)):
+        if i in keys:
+            continue
+        wider = [*current, i]
+        if len(current) > len(keys) and sum(widths[c] for c in wider) + 2 * len(current) > width:
+            groups.append(current)
+            wider = [*keys, i]
+        current = wider
+    groups.append(current)
+    return groups
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` at most ``limit`` characters, cut in the middle with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
 
 
 def _cell(value: Any) -> str:
@@ -534,11 +724,13 @@ def _cell(value: Any) -> str:
 
 
 def _wrap_parts(parts: list[str], *, prefix: str) -> list[str]:
-    """``parts`` joined by `` | ``, wrapped at TEXT_WIDTH between parts, never inside one."""
+    """``parts`` joined by `` | ``, wrapped at the terminal's width between parts, never
+    inside one."""
+    width = _width()
     lines: list[str] = []
     current: list[str] = []
     for part in parts:
-        if current and len(prefix) + len(" | ".join([*current, part])) > TEXT_WIDTH:
+        if current and len(prefix) + len(" | ".join([*current, part])) + 2 > width:
             lines.append(" | ".join(current) + " |")
             current = []
         current.append(part)

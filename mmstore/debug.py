@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
@@ -34,7 +35,8 @@ from mmstore._exceptions import (
 from mmstore._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
 from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
-from mmstore._rows.files import partition_of, reading
+from mmstore._rows.check import read_checked
+from mmstore._rows.files import check_run_id, open_rollout_file, partition_of, reading
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._storage.backends import S3Backend
@@ -200,27 +202,57 @@ def storage_options(store: Store) -> dict[str, str] | None:
 def sample(
     store: Store, sample_id: str, *, run_id: str | None = None, step: int | None = None
 ) -> dict[str, Any]:
-    """The row of one sample as a dict (with ``run_id`` and ``step``)."""
-    where = pl.col("sample_id") == sample_id
-    if run_id is not None:
-        where &= pl.col("run_id") == run_id
-    if step is not None:
-        where &= pl.col("step") == step
-    found = scan(store).filter(where).collect()
+    """The row of one sample as a dict (with ``run_id`` and ``step``), read as the loader
+    reads it: page checksums verified, the row checked and bounded (a forged row raises the
+    loader's typed error naming file, run, step and sample before it becomes Python lists)."""
     context = {"sample_id": sample_id, "run_id": run_id, "step": step}
-    if found.height == 0:
+    chosen = [
+        f
+        for f in store.files()
+        if (run_id is None or f.run_id == run_id) and (step is None or f.step == step)
+    ]
+    for file in chosen:  # before any is read
+        check_run_id(file)
+    found = [f for f in chosen if _holds_sample(store, f.path, sample_id)]
+    if not found:
         raise NoMatchError("no such sample in the store", **context)
-    if found.height > 1:
-        places = ", ".join(f"{r}/{s}" for r, s in found.select("run_id", "step").iter_rows())
+    if len(found) > 1:
+        places = ", ".join(f"{f.run_id}/{f.step}" for f in found)
         raise NoMatchError(
             f"sample id is in several run/step partitions ({places}); pass run_id and step",
             **context,
         )
-    return found.row(0, named=True)
+    file = found[0]
+    parquet = open_rollout_file(store, file.path)
+    rows = read_checked(
+        parquet, file.path, max_pixels=store.max_image_pixels, sample_ids={sample_id}
+    )
+    if rows.num_rows > 1:
+        raise NoMatchError(
+            f"sample id is in {rows.num_rows} rows of one file; pass another", **context
+        )
+    row = rows.to_pylist()[0]
+    return {
+        "run_id": file.run_id,
+        "step": file.step,
+        **{name: row.get(name) for name in ROLLOUT_SCHEMA.names},
+    }
+
+
+def _holds_sample(store: Store, path: str, sample_id: str) -> bool:
+    """Whether a committed file has a row ``sample_id`` (its sample_id column only)."""
+    parquet = open_rollout_file(store, path)
+    with reading(path):
+        ids = parquet.read(columns=["sample_id"]).column("sample_id")
+        return bool(pc.any(pc.equal(ids, sample_id)).as_py())
 
 
 # Thumbnails of 1080p screenshots need about a third of their width for UI text to stay legible.
 THUMB_SIZE = 640
+# What one view draws at most (a row may hold thousands of images and millions of tokens:
+# drawn whole, its canvas alone would take gigabytes); the header gives the full counts.
+MAX_THUMBNAILS = 32
+MAX_STRIP_TOKENS = 2**15
 
 
 def sample_view(
@@ -239,7 +271,8 @@ def sample_view(
         f"group {row['group_id']}\n"
         f"tokens {n} (prompt {prompt}, completion {n - prompt}, "
         f"loss {sum(row['loss_mask'])})  images {len(row['images'])}  "
-        f"reward {_fmt(row['reward'])}  advantage {_fmt(row['advantage'])}"
+        f"reward {_fmt(row['reward'])}  advantage {_fmt(row['advantage'])}  "
+        f"policy {_fmt(row.get('policy_version'))}"
     )
     parts = [_text_block(header), thumbnails(store, row, size=thumb), token_strip(row)]
     width = max(p.width for p in parts)
@@ -251,23 +284,31 @@ def sample_view(
     return out
 
 
-def thumbnails(store: Store, row: dict[str, Any], *, size: int = THUMB_SIZE) -> Image.Image:
+def thumbnails(
+    store: Store, row: dict[str, Any], *, size: int = THUMB_SIZE, limit: int = MAX_THUMBNAILS
+) -> Image.Image:
     """The row's images side by side, each scaled to fit ``size`` x ``size`` and labelled
     with its index, size, hash and span; tiles are as tall as the tallest image needs.
 
-    Media that is missing or does not verify shows as a grey square tile saying why.
+    Media that is missing or does not verify shows as a grey square tile saying why. The
+    first ``limit`` images are drawn, a last tile counting the rest.
     """
-    refs = row["images"]
+    refs = row["images"][:limit]
+    hidden = len(row["images"]) - len(refs)
     font = _font(12)
     label_h = 34
     shown: list[Image.Image | str] = [_thumbnail(store, ref, size) for ref in refs]
     height = max([s.height for s in shown if isinstance(s, Image.Image)] or [size])
     if any(isinstance(s, str) for s in shown):
         height = size
-    tiles = Image.new("RGB", (max(1, len(refs)) * (size + 8), height + label_h), "white")
+    slots = max(1, len(refs) + (hidden > 0))
+    tiles = Image.new("RGB", (slots * (size + 8), height + label_h), "white")
     draw = ImageDraw.Draw(tiles)
     if not refs:
         draw.text((4, 4), "(no images)", fill="gray", font=font)
+    if hidden:
+        x = len(refs) * (size + 8)
+        draw.text((x + 4, height // 2 - 8), f"... and {hidden} more", fill="black", font=font)
     for index, (ref, image) in enumerate(zip(refs, shown, strict=True)):
         x = index * (size + 8)
         if isinstance(image, Image.Image):
@@ -315,11 +356,14 @@ LEGEND = (
 )
 
 
-def token_strip(row: dict[str, Any], *, columns: int = 128, cell: int = 7) -> Image.Image:
-    """Every token as a cell, ``columns`` to a line, coloured as the legend on top says:
-    prompt, image spans (labelled with the image index), completion in or out of the loss; a
-    black bar under each token in the loss mask, a red mark where the completion starts."""
-    tokens, mask, prompt_len = row["tokens"], row["loss_mask"], row["prompt_len"]
+def token_strip(
+    row: dict[str, Any], *, columns: int = 128, cell: int = 7, limit: int = MAX_STRIP_TOKENS
+) -> Image.Image:
+    """Every token (the first ``limit``) as a cell, ``columns`` to a line, coloured as the
+    legend on top says: prompt, image spans (labelled with the image index), completion in
+    or out of the loss; a black bar under each token in the loss mask, a red mark where the
+    completion starts."""
+    tokens, mask, prompt_len = row["tokens"][:limit], row["loss_mask"], row["prompt_len"]
     image_of = [-1] * len(tokens)
     for index, ref in enumerate(row["images"]):
         for i in range(ref["offset"], min(len(tokens), ref["offset"] + ref["length"])):

@@ -26,7 +26,7 @@ from mmstore._rows.table import RolloutTable, TableFile
 from mmstore._storage.store import Storage
 
 
-def rollout_rows(name: str, rows: int, *, policy_version: bool = False) -> pa.Table:
+def rollout_rows(name: str, rows: int, *, extra_column: bool = False) -> pa.Table:
     """``rows`` rows of the rollout schema (sample ids ``<name>-<i>``): nested token lists,
     an image ref struct in the first row, a JSON ``metadata`` string in every other one."""
     records = []
@@ -47,9 +47,9 @@ def rollout_rows(name: str, rows: int, *, policy_version: bool = False) -> pa.Ta
             }
         )
     table = pa.Table.from_pylist(records, schema=ROLLOUT_SCHEMA)
-    if policy_version:
+    if extra_column:  # a column added to the schema later (see add_columns)
         table = table.append_column(
-            pa.field("policy_version", pa.int64()), pa.array(range(rows), pa.int64())
+            pa.field("extra_score", pa.int64()), pa.array(range(rows), pa.int64())
         )
     return table
 

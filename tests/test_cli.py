@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -400,3 +401,142 @@ def test_version_and_the_grace_unit(capsys):
     with pytest.raises(SystemExit):
         main(["gc", "--help"])
     assert "--grace SECONDS" in capsys.readouterr().out
+
+
+def lines_of(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """Its output's lines, less those naming one file each (``deleted media/…``): a path is
+    printed whole, to be copied."""
+    path_line = re.compile(r"^(would )?(delete|deleted|remove|removed) \S+$")
+    return [line for line in result.stdout.splitlines() if not path_line.match(line)]
+
+
+def flat(text: str) -> str:
+    """``text`` with its line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_output_fits_80_columns(copy, capsys, monkeypatch):
+    """stats, inspect (a listing and one sample), gc and release, at COLUMNS=80: every
+    line fits, and no column is lost (they go on to a second table)."""
+    mmstore.Store.open(copy).put_image(screenshot(98, 90, 90))  # an orphan, for gc to list
+    wide = call_cli(capsys, "stats", copy)
+    assert max(map(len, lines_of(wide))) > 80  # the test below would pass vacuously
+    monkeypatch.setenv("COLUMNS", "80")
+    commands = [
+        ["stats", copy],
+        ["stats", copy, "--by", "run"],
+        ["inspect", copy],
+        ["inspect", copy, "--sample", "s0"],
+        ["gc", copy, "--dry-run", "--grace", "0"],
+        ["gc", copy],
+        ["release", copy, "r2", "--dry-run"],
+    ]
+    for args in commands:
+        result = call_cli(capsys, *args)
+        assert result.returncode == 0, result.stderr
+        too_wide = [line for line in lines_of(result) if len(line) > 80]
+        assert not too_wide, f"{args[0]}: {too_wide}"
+    narrow = call_cli(capsys, "stats", copy)
+    for header in STATS_HEADERS:
+        assert header in narrow.stdout
+    sample = call_cli(capsys, "inspect", copy, "--sample", "s0").stdout
+    assert "media/" in sample and ".png" in sample  # a cut URI keeps both ends
+
+
+STATS_HEADERS = ("run", "rows", "unique", "dedup", "parquet", "dense fp32", "reward", "missing")
+
+
+def files_under(root: Path, *parts: str) -> list[Path]:
+    return [p for part in parts for p in (root / part).rglob("*") if p.is_file()]
+
+
+def test_stats_accounts_for_every_byte_and_gc_says_why_it_kept(copy, known, capsys):
+    store = mmstore.Store.open(copy)
+    orphans = [store.put_image(screenshot(90 + i, 80, 60)) for i in range(2)]
+    orphan_bytes = sum((copy / m.uri).stat().st_size for m in orphans)
+    disk = json.loads(call_cli(capsys, "stats", copy, "--json").stdout)["disk"]
+    media = files_under(copy, "media")
+    parquet = [p for p in files_under(copy, "rollouts") if p.suffix == ".parquet"]
+    assert disk["total_bytes"] == sum(p.stat().st_size for p in [*media, *parquet])
+    assert (disk["media_referenced"], disk["media_unreferenced"]) == (3, 2)
+    assert disk["media_unreferenced_bytes"] == orphan_bytes
+    # Younger than the hour's grace: kept, and said until when.
+    assert (disk["free_now_files"], disk["grace_files"]) == (0, 2)
+    newest = max((copy / m.uri).stat().st_mtime for m in orphans)
+    assert disk["free_by"] == pytest.approx(newest + 3600, abs=1)
+    text = flat(call_cli(capsys, "stats", copy).stdout)
+    assert "media, unreferenced" in text and "for the grace period" in text
+    now = json.loads(call_cli(capsys, "stats", copy, "--json", "--grace", "0").stdout)["disk"]
+    assert (now["free_now_files"], now["free_now_bytes"]) == (2, orphan_bytes)
+
+    kept = flat(call_cli(capsys, "gc", copy).stdout)  # the default hour's grace
+    assert "kept 5 media files" in kept and "3 referenced" in kept
+    assert "2 only for the grace period (3600 s)" in kept
+
+    # A released run: its rows and the media only they use stay for the grace period.
+    released = flat(call_cli(capsys, "release", copy, "r2").stdout)
+    assert "3 only for the grace period" in released  # the two orphans and C
+    disk = json.loads(call_cli(capsys, "stats", copy, "--json").stdout)["disk"]
+    assert disk["grace_files"] == 4 and disk["media_referenced"] == 2  # + r2's Parquet file
+    assert disk["free_by"] is not None
+    assert "gc --grace 0 would free" in call_cli(capsys, "stats", copy, "--grace", "0").stdout
+
+
+def test_pinned_media_is_said_to_be_kept_by_a_pin(copy, capsys):
+    assert call_cli(capsys, "pin", copy, "keep", "--run", "r2").returncode == 0
+    assert call_cli(capsys, "release", copy, "r2", "--grace", "0", "--force").returncode == 0
+    kept = flat(call_cli(capsys, "gc", copy, "--grace", "0").stdout)
+    assert "kept 3 media files" in kept and "1 of them by pins alone" in kept
+
+
+def test_inspect_of_an_unknown_run_lists_the_runs_the_store_holds(known, capsys):
+    typo = call_cli(capsys, "inspect", known["root"], "--run", "r9")
+    assert_user_error(typo, 1, "no rollouts match --run r9", "r1 (steps 0-1)", "r2 (step 0)")
+    later = call_cli(capsys, "inspect", known["root"], "--run", "r1", "--step", "7")
+    assert_user_error(later, 1, "--run r1 --step 7", "r1 (steps 0-1)")
+
+
+def test_inspect_view_without_sample_is_a_usage_error_of_inspect(known, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(known["root"]), "--view", str(tmp_path / "v.png")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: mmstore inspect ")
+    assert "--view needs --sample ID" in err
+
+
+@pytest.mark.parametrize(
+    ("command", "needles"),
+    [
+        ("stats", ["one table row per run and step", "(default step)", "(default 3600)"]),
+        ("release", ["RUN_ID", "the run whose rows to release"]),
+        ("demo", ["GRPO groups per step (default 8)", "DataLoader workers (default 2)"]),
+    ],
+)
+def test_options_have_help_and_defaults(command, needles, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help text at the terminal's width
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    for needle in needles:
+        assert needle in out
+
+
+def test_a_store_in_a_missing_bucket_names_the_bucket(s3_options, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_options['endpoint_override']}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    result = call_cli(capsys, "stats", "s3://no-such-bucket-x1/store")
+    assert_user_error(result, 1, "the bucket 'no-such-bucket-x1' does not exist")
+    # Creating one there fails naming the bucket too (pyarrow's NO_SUCH_BUCKET).
+    with pytest.raises(OSError, match="no-such-bucket-x1"):
+        mmstore.Store.open("s3://no-such-bucket-x1/store", create=True, s3_options=s3_options)
+    # A bucket that exists, without a store in it, is the usual "no store" message.
+    bucket = f"mm-{os.getpid()}-plain"
+    import pyarrow.fs as pafs
+
+    pafs.S3FileSystem(**s3_options).create_dir(bucket)
+    plain = call_cli(capsys, "stats", f"s3://{bucket}/store")
+    assert_user_error(plain, 1, "no mmstore store", "check the path")
+    assert "bucket" not in plain.stderr.replace(bucket, "")

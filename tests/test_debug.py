@@ -34,6 +34,7 @@ ROW_COLUMNS = [
     "advantage",
     "images",
     "metadata",
+    "policy_version",
 ]
 IMAGE_COLUMNS = [
     "run_id",
@@ -153,7 +154,7 @@ def test_scan_ignores_staging_and_prunes_partitions(known, tmp_path):
 
 def test_scan_projection_reads_only_asked_columns(known):
     plan = debug.scan(known.store).select("sample_id", "reward").explain()
-    assert "PROJECT 2/12 COLUMNS" in plan
+    assert f"PROJECT 2/{len(ROW_COLUMNS)} COLUMNS" in plan
 
 
 def test_images_one_row_per_ref(known):

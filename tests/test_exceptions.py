@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import traceback
 
 import pytest
+from PIL import Image
 
 import mmstore
 from mmstore import _exceptions
@@ -30,6 +32,8 @@ TREE = [
     (mmstore.InvalidArgumentError, ValueError),
     (mmstore.CorruptFileError, ValueError),
     (mmstore.NoMatchError, LookupError),
+    (mmstore.RunNotFoundError, LookupError),
+    (mmstore.StepNotCommittedError, LookupError),
     (mmstore.DestinationExistsError, FileExistsError),
     (mmstore.DeleteFailedError, OSError),
     (mmstore.TableNotFoundError, FileNotFoundError),
@@ -41,6 +45,7 @@ TREE = [
     (mmstore.UpgradeRequiredError, ValueError),
     (mmstore.VersionMismatchError, RuntimeError),
     (mmstore.PinnedRowsError, RuntimeError),
+    (mmstore.LiveTimeoutError, TimeoutError),
 ]
 
 ALL_ERRORS = [
@@ -170,3 +175,44 @@ def test_only_a_network_error_is_retryable():
     assert isinstance(mmstore.NetworkError("x"), OSError)
     assert [e.__name__ for e in ALL_ERRORS if e.retryable] == ["NetworkError"]
     assert issubclass(mmstore.MediaPermissionError, mmstore.MediaError)
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=[e.__name__ for e in ALL_ERRORS])
+def test_errors_print_under_their_public_name(error):
+    # A traceback names the class by its module: mmstore.X, the name a user can catch.
+    assert error.__module__ == "mmstore"
+    line = traceback.format_exception_only(error("boom"))[-1]
+    assert line.startswith(f"mmstore.{error.__name__}: boom")
+
+
+def test_a_users_own_subclass_keeps_its_module():
+    assert _WithPath.__module__ == __name__
+    assert type(pickle.loads(pickle.dumps(_WithPath("x.parquet")))) is _WithPath
+
+
+@pytest.fixture
+def one_run(tmp_path) -> mmstore.Store:
+    store = mmstore.Store.open(str(tmp_path / "store"), create=True)
+    with store.writer(run_id="r1", step=0) as w:
+        w.write(mmstore.Rollout(sample_id="a", tokens=[1, 2], prompt_len=1, loss_mask=[0, 1]))
+    return store
+
+
+def test_a_typod_run_and_a_step_not_committed_yet_are_told_apart(one_run):
+    with pytest.raises(mmstore.RunNotFoundError) as typo:
+        one_run.rollouts(run_id="r2")
+    with pytest.raises(mmstore.StepNotCommittedError) as later:
+        one_run.rollouts(run_id="r1", step=1)
+    assert typo.value.missing_runs == ["r2"] and "r1 (step 0)" in str(typo.value)
+    assert not isinstance(later.value, mmstore.RunNotFoundError)
+    assert not isinstance(typo.value, mmstore.StepNotCommittedError)
+    for err in (typo.value, later.value):  # both stay what callers already catch
+        assert isinstance(err, mmstore.NoMatchError)
+        assert type(pickle.loads(pickle.dumps(err))) is type(err)
+
+
+def test_a_media_ref_passed_as_images_says_to_expand_it(one_run):
+    media = one_run.put_image(Image.new("RGB", (28, 28)))
+    with pytest.raises(mmstore.InvalidRolloutError, match=r"MediaRef.*adapter\.expand\("):
+        mmstore.Rollout(sample_id="a", tokens=[1, 2], prompt_len=1, loss_mask=[0, 1],
+                        images=[media])  # fmt: skip

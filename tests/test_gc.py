@@ -263,3 +263,102 @@ def test_release_of_an_unknown_run_raises_and_removes_nothing(store, adapter):
     with pytest.raises(LookupError):
         mmstore.release_run(store, "typo", dry_run=True)
     assert len(store.rollout_files()) == 1
+
+
+# -- run layout records ----------------------------------------------------------------------
+
+
+def test_run_records_stay_while_a_needed_version_has_the_runs_files(store, adapter):
+    (shared,) = put_photos(store, [1])
+    for run in ("a", "b"):
+        commit(store, adapter, run, 0, [[shared]])
+    record = {run: f"runs/{run}/{adapter.fingerprint}.json" for run in ("a", "b")}
+    age(store, list(record.values()))  # older than every grace period below
+    # Released within the grace period: the version before the release still lists a's
+    # files (a reader may hold it), so their records stay.
+    assert mmstore.release_run(store, "a", grace_seconds=600).gc.run_records_deleted == []
+    # A pin holds b's rows past its release: b's record stays; a's goes, no version
+    # anyone needs lists a's files any more.
+    mmstore.pin_rows(store, "hold", runs="b")
+    dry = mmstore.gc(store, grace_seconds=0, dry_run=True)
+    assert dry.run_records_deleted == [record["a"]]
+    assert store.backend.stat(record["a"]) is not None  # a dry run deletes nothing
+    report = mmstore.release_run(store, "b", grace_seconds=0, force=True)
+    assert report.gc.run_records_deleted == [record["a"]]
+    assert store.backend.stat(record["a"]) is None
+    assert store.backend.stat(record["b"]) is not None
+    mmstore.unpin(store, "hold")
+    assert mmstore.gc(store, grace_seconds=0).run_records_deleted == [record["b"]]
+    assert store.backend.list("runs") == []
+
+
+def test_young_run_records_and_other_files_under_runs_stay(store, adapter):
+    (shared,) = put_photos(store, [1])
+    commit(store, adapter, "a", 0, [[shared]])
+    record = f"runs/a/{adapter.fingerprint}.json"
+    # The record renewed just as gc starts (a writer about to commit run a again): kept
+    # until it is older than the grace period.
+    age(store, [record], seconds=-60)
+    assert mmstore.release_run(store, "a", grace_seconds=0).gc.run_records_deleted == []
+    # A release's marker (of a release killed half-way) is not a record: never deleted.
+    store.backend.write_atomic("runs/a/release.json", b"{}")
+    age(store, [record, "runs/a/release.json"])
+    assert mmstore.gc(store, grace_seconds=0).run_records_deleted == [record]
+    assert store.backend.stat("runs/a/release.json") is not None
+
+
+def test_a_writer_renews_its_runs_records(store, adapter, monkeypatch):
+    from mmstore._rows import runs as runs_module
+
+    (shared,) = put_photos(store, [1])
+    commit(store, adapter, "a", 0, [[shared]])
+    record = f"runs/a/{adapter.fingerprint}.json"
+    age(store, [record])
+    commit(store, adapter, "a", 1, [[shared]])
+    assert store.backend.stat(record).mtime < time.time() - 3000  # recorded: not again yet
+    monkeypatch.setattr(runs_module, "RENEW_SECONDS", 0.0)
+    commit(store, adapter, "a", 2, [[shared]])
+    assert store.backend.stat(record).mtime > time.time() - 60  # renewed
+
+
+# -- what gc reads of the log ----------------------------------------------------------------
+
+
+def test_gc_reads_the_log_after_its_checkpoint_not_every_commit_in_the_grace(
+    any_store, adapter, monkeypatch
+):
+    """Sixty commits within the grace period (checkpoints every 20), on disk and on S3: gc
+    reads the entries after the last checkpoint and a binary search's few, not one entry
+    per commit; and the files of a run released after the cutoff, which only the
+    checkpoint's tombstones name by then, stay."""
+    from mmstore._lifecycle.gc import needed_files
+    from mmstore._rows.table import CHECKPOINT_INTERVAL
+
+    (shared,) = put_photos(any_store, [1])
+    released = commit(any_store, adapter, "gone", 0, [[shared]])
+    time.sleep(0.01)
+    cutoff = time.time()
+    time.sleep(0.01)
+    mmstore.release_run(any_store, "gone", grace_seconds=3600)
+    for step in range(3 * CHECKPOINT_INTERVAL):
+        commit(any_store, adapter, "live", step, [[shared]])
+    any_store.table.join_checkpoint()
+    reads = collections.Counter()
+    real_read = type(any_store.backend).read
+
+    def counting(backend, rel):
+        if rel.startswith("rollouts/_delta_log/") and rel.endswith(".json"):
+            reads["entries"] += 1
+        return real_read(backend, rel)
+
+    monkeypatch.setattr(type(any_store.backend), "read", counting)
+    latest, needed = needed_files(any_store, cutoff, {})
+    monkeypatch.undo()
+    assert latest == 3 * CHECKPOINT_INTERVAL + 2  # creation, commit, release, 60 commits
+    assert set(released) <= needed  # removed after the cutoff: a reader may hold them
+    # The latest version catching up (an interval at most, then from the checkpoint), the
+    # binary search for the cutoff's version (log2 of the versions), the entries after the
+    # checkpoint: 31 here, whatever the number of commits within the grace (not ~60).
+    assert reads["entries"] <= CHECKPOINT_INTERVAL + 15, reads
+    _, after = needed_files(any_store, time.time() + 1, {})  # a cutoff after every commit
+    assert not set(released) & after

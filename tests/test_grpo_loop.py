@@ -66,9 +66,11 @@ def test_killed_and_resumed_loop_ends_on_the_same_weights(tmp_path, reference, w
     killed = loop(tmp_path, "--workers", str(workers), kill_at=kill_at)
     assert killed[-1]["step"] == kill_at
     restart = final(tmp_path)["step"]  # the last checkpoint the killed run saved
+    final_gen = final(tmp_path)["gen"]
     assert restart >= CKPT_EVERY and restart % CKPT_EVERY == 0
     resumed = loop(tmp_path, "--workers", str(workers), "--replay", str(tmp_path / "dump"))
-    assert resumed[0]["step"] == restart + 1, "the resume did not start at the checkpoint"
+    assert resumed[0] == {"resumed": restart, "gen": final_gen}, "no resume line first"
+    assert resumed[1]["step"] == restart + 1, "the resume did not start at the checkpoint"
 
     got = final(tmp_path)
     assert got["trained"] == reference["trained"]  # the same sample ids, the same steps
@@ -94,8 +96,65 @@ def test_killed_and_resumed_loop_ends_on_the_same_weights(tmp_path, reference, w
     assert mmstore.verify(mmstore.Store.open(tmp_path / "dump")).ok
 
 
-def test_the_loop_runs_behind_the_family_flag(tmp_path):
-    """GLM-4.1V (M-RoPE of its own, other token ids): one generation, and its replay."""
-    lines = loop(tmp_path, "--family", "glm4v", "--gens", "1", "--replay", str(tmp_path / "d"))
+def test_the_loop_runs_behind_the_family_flag_and_a_rerun_changes_nothing(tmp_path):
+    """GLM-4.1V (M-RoPE of its own, other token ids): one generation, and its replay. Run
+    again once finished, it says so and trains, writes and exports nothing."""
+    args = ("--family", "glm4v", "--gens", "1", "--replay", str(tmp_path / "d"))
+    lines = loop(tmp_path, *args)
     assert [line.get("step") for line in lines[:-2]] == [1, 2, 3, 4]
+    assert all(isinstance(line["loss"], float) for line in lines[:-2])  # a loss per step
     assert lines[-1]["store_loss"] == lines[-1]["export_loss"] != 0
+
+    ckpt = (tmp_path / "ckpt.pt").read_bytes()
+    version = mmstore.Store.open(tmp_path / "store").table.latest_version()
+    again = loop(tmp_path, *args)
+    assert again == [
+        {"finished": 4, "ckpt": str(tmp_path / "ckpt.pt")},
+        {"replay_exists": str(tmp_path / "d")},
+    ]
+    assert (tmp_path / "ckpt.pt").read_bytes() == ckpt  # not one tensor changed
+    assert mmstore.Store.open(tmp_path / "store").table.latest_version() == version
+
+
+def test_the_async_loop_survives_sigkill_of_either_side_bit_for_bit(tmp_path):
+    """--async-level 1: the rollout side in its own process generates step n with the
+    weights of step n-1; the trainer follows it with a LiveLoader. Each side is killed with
+    SIGKILL at a random point and started again: the final weights are those of an
+    uninterrupted run, and every sample was trained once, in the same steps."""
+    base = ("--async-level", "1", "--gens", "2", "--steps-per-gen", "2", "--timeout", "120")
+
+    def side(tmp: Path, role: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, str(EXAMPLE), "--store", str(tmp / "store"), "--ckpt",
+               str(tmp / "ckpt.pt"), *base, "--role", role]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MMSTORE_PROGRESS": "0"}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp)
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    both = [side(whole, "rollout"), side(whole, "train")]
+    assert [p.wait(timeout=300) for p in both] == [0, 0]
+    reference = torch.load(whole / "ckpt.pt")
+    assert reference["finished"] and reference["step"] == 4
+
+    rng = random.Random(29)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    sides = {role: side(killed, role) for role in ("rollout", "train")}
+    for role in ("train", "rollout"):  # each side in turn, while the other runs on
+        process = sides[role]
+        for _line in process.stdout:  # kill it after a random number of its progress lines
+            if rng.random() < 0.5:
+                break
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        sides[role] = side(killed, role)
+    assert [p.wait(timeout=300) for p in sides.values()] == [0, 0]
+    got = torch.load(killed / "ckpt.pt")
+    assert got["trained"] == reference["trained"]
+    flat = [s for step in got["trained"] for s in step]
+    assert len(flat) == len(set(flat)) == 16
+    for name, tensor in reference["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs after the kills"
+    store = mmstore.Store.open(killed / "store")
+    assert store.table.producer_seq("rollout") == 3  # each step committed once
+    assert len(store.rollouts("async")) == 16

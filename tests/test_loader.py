@@ -175,6 +175,18 @@ def test_layout_mismatch_names_the_parameters_that_differ(filled):
     assert "runs=" in message  # what to do about it
 
 
+def test_layout_mismatch_across_families_says_the_family_first_and_stays_short(filled):
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    with pytest.raises(mmstore.LayoutMismatchError) as err:
+        mmstore.RolloutDataset(filled, Glm4vImageProcessorPil())
+    message = str(err.value)
+    assert "family differs (qwen-vl vs glm4v)" in message
+    assert "None vs" not in message  # not every parameter only one family has
+    assert len(err.value.files) <= 3 and err.value.num_files >= len(err.value.files)
+    assert len(message) < 700
+
+
 @pytest.mark.parametrize("name", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
 def test_dtype_by_name(filled, small_processor, name):
     ds = mmstore.RolloutDataset(filled, small_processor, dtype=name, steps=[0])

@@ -53,6 +53,10 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
+    # What a notebook makes for people (a figure) lies beside it, never inside a store.
+    pictures = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.png")
+                      if "media" not in p.parts)  # fmt: skip
+    assert pictures == ([Path("reward_by_step.png")] if name == "explore_store" else [])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -60,5 +64,6 @@ def test_notebooks_teach_the_public_api(name):
     """Tutorials import nothing private, keep their stores, and explain rather than assert."""
     code = "\n".join(c.source for c in read(name).cells if c.cell_type == "code")
     assert "mmstore._" not in code
+    assert ".backend" not in code  # the store's internals: tutorials use public names
     assert "rmtree(workdir)" not in code.splitlines()[-1]
     assert not [line for line in code.splitlines() if line.lstrip().startswith("assert ")]

@@ -181,6 +181,7 @@ def test_versions_are_dense_and_entries_follow_them_one_by_one(table):
 def test_checkpoints_are_written_every_interval_and_opening_uses_them(table):
     for i in range(12):
         table.commit([write_part(table.storage, "r", i, f"f{i}")])
+    table.join_checkpoint()  # written beside the commits, not on their path
     last = json.loads(table.storage.backend.read("rollouts/_delta_log/_last_checkpoint"))
     assert table.latest_version() - last["version"] < 5  # at most an interval behind
     # Without the JSON entries the checkpoint covers, every version from it on still opens.
@@ -318,18 +319,18 @@ def test_s3_table_reads_versions_removes_and_dedups(s3_storage):
 def test_a_new_nullable_column_reads_as_null_in_files_without_it(table):
     old = write_part(table.storage, "r", 0, "old", rows=2)
     table.commit([old])
-    column = pa.field("policy_version", pa.int64())
+    column = pa.field("extra_score", pa.int64())
     assert table.add_columns([column]) == 2
     assert table.add_columns([column]) is None  # already there: no commit
-    new = write_part(table.storage, "r", 1, "new", rows=2, policy_version=True)
+    new = write_part(table.storage, "r", 1, "new", rows=2, extra_column=True)
     table.commit([new])
     frame = pl.read_delta(table.uri).sort("sample_id")
-    assert frame.schema["policy_version"] == pl.Int64
-    assert frame["policy_version"].to_list() == [0, 1, None, None]
+    assert frame.schema["extra_score"] == pl.Int64
+    assert frame["extra_score"].to_list() == [0, 1, None, None]
     arrow = DeltaTable(table.uri).to_pyarrow_table()
-    assert sorted(arrow["policy_version"].to_pylist(), key=str) == [0, 1, None, None]
+    assert sorted(arrow["extra_score"].to_pylist(), key=str) == [0, 1, None, None]
     # An older version keeps its schema.
-    assert "policy_version" not in pl.read_delta(table.uri, version=1).columns
+    assert "extra_score" not in pl.read_delta(table.uri, version=1).columns
     with pytest.raises(mmstore.InvalidArgumentError, match="nullable"):
         table.add_columns([pa.field("x", pa.int64(), nullable=False)])
 
@@ -395,6 +396,18 @@ def test_commit_arguments_are_checked(table):
 
 
 def test_a_commit_that_keeps_conflicting_gives_up_with_a_typed_error(table, monkeypatch):
+    # Another writer that always wins the next version (and whose entry cannot be read).
+    monkeypatch.setattr(table_module, "LOG_COMMIT_ATTEMPTS", 3)
+    monkeypatch.setattr(table, "_put_log_entry", lambda version, text: False)
+    with pytest.raises(mmstore.TableConflictError, match="3 attempts") as info:
+        table.commit([write_part(table.storage, "r", 0, "a")], producer="p", seq=0)
+    assert isinstance(info.value, RuntimeError) and info.value.table == table.uri
+    assert table.latest_version() == 0
+
+
+def test_a_removal_that_keeps_conflicting_gives_up_with_a_typed_error(table, monkeypatch):
+    table.commit([write_part(table.storage, "r", 0, "a")])
+
     # Another writer that always wins: each attempt finds the log moved on and conflicting.
     def always_loses(*args, **kwargs):
         raise CommitFailedError("Failed to commit transaction: Concurrent transaction failed.")
@@ -402,9 +415,99 @@ def test_a_commit_that_keeps_conflicting_gives_up_with_a_typed_error(table, monk
     monkeypatch.setattr(table_module, "COMMIT_ATTEMPTS", 3)
     monkeypatch.setattr(table, "_transact", always_loses)
     with pytest.raises(mmstore.TableConflictError, match="3 attempts") as info:
-        table.commit([write_part(table.storage, "r", 0, "a")], producer="p", seq=0)
-    assert isinstance(info.value, RuntimeError) and info.value.table == table.uri
-    assert table.latest_version() == 0
+        table.remove_run("r")
+    assert info.value.table == table.uri
+    assert table.latest_version() == 1
+
+
+# -- mmstore's own log writer (local stores) -------------------------------------------------
+
+
+def test_a_commit_writes_a_protocol_correct_log_entry_that_delta_rs_reads(table):
+    file = write_part(table.storage, "0042", 3, "a", rows=2)
+    result = table.commit([file], producer="sampler-0", seq=9)
+    raw = table.storage.backend.read(f"rollouts/_delta_log/{result.version:020d}.json")
+    actions = [json.loads(line) for line in raw.decode().splitlines()]
+    assert [next(iter(a)) for a in actions] == ["commitInfo", "txn", "add"]
+    info, txn, add = actions[0]["commitInfo"], actions[1]["txn"], actions[2]["add"]
+    assert info["operation"] == "WRITE" and info["timestamp"] > 0
+    assert len(info[table_module.COMMIT_ID_KEY]) == 32
+    assert txn["appId"] == "sampler-0" and txn["version"] == 9 and txn["lastUpdated"] > 0
+    assert add["path"] == "run_id=0042/step=3/part-a.parquet"
+    assert add["partitionValues"] == {"run_id": "0042", "step": "3"}
+    assert add["size"] == file.size and add["dataChange"] is True
+    assert add["modificationTime"] > 0 and json.loads(add["stats"]) == {"numRecords": 2}
+    delta = DeltaTable(table.uri)
+    assert delta.version() == 1 and delta.transaction_version("sampler-0") == 9
+    assert delta.history(1)[0]["operation"] == "WRITE"
+    assert delta.to_pyarrow_table().num_rows == 2
+
+
+def test_a_warm_commit_reads_only_the_next_entry_whatever_the_tables_size(table, monkeypatch):
+    """No listing, no checkpoint, no replay, no delta-rs table: one failed read of the next
+    version's entry (then the entry is written), at 3 files as at 40 (past checkpoints)."""
+
+    def no_delta_rs_table():
+        raise AssertionError("a commit loaded the table's files through delta-rs")
+
+    monkeypatch.setattr(table, "_table", no_delta_rs_table)
+    backend = type(table.storage.backend)
+    seen: list[str] = []
+    real_read, real_list = backend.read, backend.list
+    monkeypatch.setattr(backend, "read", lambda b, rel: seen.append(rel) or real_read(b, rel))
+    monkeypatch.setattr(
+        backend, "list", lambda b, rel: seen.append(f"list {rel}") or real_list(b, rel)
+    )
+    for i in range(40):
+        file = write_part(table.storage, "r", i, f"f{i}")
+        seen.clear()
+        version = table.commit([file], producer="p", seq=i).version
+        if i in (2, 39):
+            assert seen == [f"rollouts/_delta_log/{version:020d}.json"], (i, seen)
+    table.join_checkpoint()  # checkpoints (every 5 versions) were written beside
+    last = real_read(table.storage.backend, "rollouts/_delta_log/_last_checkpoint")
+    assert json.loads(last)["version"] == 39  # delta-rs's rule: the versions 4, 9, ...
+    assert len(RolloutTable(table.storage).snapshot().files) == 40
+
+
+def test_a_stale_table_object_reads_the_commits_it_missed(table):
+    """Two table objects of one store (two processes): each commit finds the version
+    after what the other committed, and the producer seqs it recorded."""
+    other = RolloutTable(table.storage)
+    assert table.commit([write_part(table.storage, "r", 0, "a")], producer="p", seq=0).version == 1
+    assert other.commit([write_part(table.storage, "r", 0, "b")], producer="p", seq=1).version == 2
+    assert other.remove_run("r").version == 3  # a delta-rs commit in between
+    again = table.commit([write_part(table.storage, "r", 0, "c")], producer="p", seq=1)
+    assert again.duplicate and again.producer_seq == 1
+    assert table.commit([write_part(table.storage, "q", 0, "d")], producer="p", seq=2).version == 4
+    assert [f.path for f in other.snapshot().files] == ["rollouts/run_id=q/step=0/part-d.parquet"]
+
+
+def test_the_latest_snapshot_follows_the_log_near_and_far_behind(table):
+    """A table object keeps the latest version's files up to date from the log: after a
+    few commits it reads only their entries; far behind (past a checkpoint) it reopens.
+    Either way it lists what a fresh open lists."""
+    other = RolloutTable(table.storage, checkpoint_interval=5)
+    assert table.snapshot().files == ()
+    for count in (2, 17):  # near (below the interval), then far behind
+        for i in range(count):
+            other.commit(
+                [write_part(table.storage, "keep" if i % 2 else "gone", i, f"{count}-{i}")]
+            )
+        other.remove_run("gone")
+        other.join_checkpoint()
+        fresh = RolloutTable(table.storage)
+        assert table.snapshot() == fresh.snapshot() == table.replay()
+        assert table.latest_version() == fresh.latest_version()
+        assert table.snapshot(table.latest_version()) == fresh.snapshot()
+
+
+def test_a_protocol_the_log_writer_does_not_follow_is_refused(table):
+    table.commit([write_part(table.storage, "r", 0, "a")])
+    DeltaTable(table.uri).alter.set_table_properties({"delta.enableChangeDataFeed": "true"})
+    with pytest.raises(mmstore.SchemaVersionError, match="writer version 4") as info:
+        table.commit([write_part(table.storage, "r", 0, "b")])
+    assert info.value.table == table.uri and table.latest_version() == 2
 
 
 def test_results_are_plain_data_that_pickle(table):

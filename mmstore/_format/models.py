@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from mmstore._exceptions import InvalidRolloutError
-from mmstore._format.schema import ROLLOUT_SCHEMA
+from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 
 HASH_PATTERN = r"^[0-9a-f]{32}$"
 INT32_MAX = 2**31 - 1
@@ -175,6 +175,9 @@ class Rollout(BaseModel):
     advantage: float | None = None
     images: list[ImageRef] = Field(default_factory=list)
     metadata: str | None = None
+    # The policy (weights version) that generated the sample, for the live loader's
+    # staleness bound; a multi-turn sample carries the oldest. None: unknown, never stale.
+    policy_version: int | None = Field(default=None, ge=0, le=2**63 - 1)
     _arrays: _Arrays = PrivateAttr(default_factory=_Arrays)
 
     def __init__(self, **data: Any) -> None:
@@ -207,6 +210,18 @@ class Rollout(BaseModel):
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _to_list(value)
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _refs_not_media(cls, value: Any) -> Any:
+        # The usual slip: the MediaRef that put_image returns has no token span yet.
+        if isinstance(value, list | tuple) and any(isinstance(v, MediaRef) for v in value):
+            raise ValueError(
+                "got a MediaRef (what put_image returns), which has no token span: call "
+                "tokens, refs = adapter.expand(token_ids, [media, ...]) and pass those refs "
+                "(and tokens)"
+            )
+        return value
 
     @field_validator("reward", "advantage")
     @classmethod
@@ -288,6 +303,15 @@ def released(rollout: Rollout) -> Rollout:
     return rollout
 
 
+def with_optional_columns(table: pa.Table | pa.RecordBatch) -> pa.Table | pa.RecordBatch:
+    """``table`` with the schema's later-added columns it lacks (an older file's) as nulls."""
+    for name in OPTIONAL_COLUMNS:
+        if name not in table.column_names:
+            field = ROLLOUT_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table
+
+
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
     """Rollouts as an Arrow table of the v1 schema."""
     rows = [r.model_dump() for r in rollouts]
@@ -297,5 +321,6 @@ def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
 def table_to_rollouts(table: pa.Table | pa.RecordBatch) -> list[Rollout]:
     """Arrow rows (of the v1 schema, any extra columns ignored) back as Rollouts."""
     names = [f.name for f in ROLLOUT_SCHEMA]
+    table = with_optional_columns(table)
     rows = table.select(names).to_pylist()
     return [released(Rollout(**{k: row[k] for k in names})) for row in rows]

@@ -62,6 +62,9 @@ ROLLOUT_SCHEMA = pa.schema(
             "images", pa.list_(pa.field("item", IMAGE_REF_TYPE, nullable=False)), nullable=False
         ),
         pa.field("metadata", pa.string(), nullable=True),
+        # The policy (weights version) that generated the sample; a multi-turn sample carries
+        # the oldest. Added after the first release: files without it read as unknown (null).
+        pa.field("policy_version", pa.int64(), nullable=True),
     ],
     metadata={META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()},
 )
@@ -180,4 +183,7 @@ ROW_COLUMNS = [
     "advantage",
     "images",
 ]
+# Columns added to the v1 schema since files were first written: a file may lack them, and a
+# reader of such a file sees nulls (never an error).
+OPTIONAL_COLUMNS = ("policy_version",)
 FILE_COLUMN = "_file"  # the committed file each row came from, added by the loader's scan

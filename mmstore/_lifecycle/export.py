@@ -9,8 +9,11 @@ commits every copied file in one transaction, after all of them are in place.
 Refs to external media (absolute ``file://`` / ``s3://`` URIs under a trusted root) would
 tie the export to machines that can reach them, so their bytes are copied into the export's
 ``media/`` and the rows of those files are rewritten to the store-relative URI; only the
-``uri`` field changes. Every media file is hash-checked when read from the source and again
-when read back from the export; every Parquet file is read back and compared too. Media is
+``uri`` field changes. Every rollout file is first read as the loader reads it (page
+checksums, the row checks and bounds) before anything is written: a rotted page or a forged
+row stops the export with a typed error naming it, instead of becoming a clean-looking copy.
+Every media file is hash-checked when read from the source and again when read back from
+the export; every Parquet file is read back and compared too. Media is
 written before the rows that reference it, and the files before the commit that lists
 them, so an interrupted export leaves a valid store (holding nothing, or everything).
 """
@@ -26,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmstore._exceptions import (
+    CorruptFileError,
     DestinationExistsError,
     HashMismatchError,
     MmstoreError,
@@ -33,12 +37,13 @@ from mmstore._exceptions import (
     NotAStoreError,
 )
 from mmstore._format.media import FORMAT_EXTENSIONS, content_hash, media_path, probe
-from mmstore._format.schema import check_schema_version
 from mmstore._progress import bar
+from mmstore._rows.check import read_checked
 from mmstore._rows.files import (
+    check_run_id,
     flatten_refs,
-    open_rollout_file,
     read_ref_columns,
+    reading,
     select_files,
     where_of_file,
 )
@@ -69,10 +74,12 @@ def export(
     selected = select_files(store, runs, steps, version=version)
     if not selected:
         raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
-    files = [f.path for f in selected]
     media: dict[MediaKey, dict[str, Any]] = {}  # each media key -> where it is first used
-    for path in files:
-        _collect_refs(store, path, media)
+    # Every file is read and checked before the destination is created: a file that fails
+    # (bit rot, a forged row) stops the export with nothing written.
+    for file in selected:
+        check_run_id(file)
+    checked = {f.path: _collect_refs(store, f.path, media) for f in selected}
     target = _create_empty(os.fspath(dest), store.s3_options if s3_options is None else s3_options)
     with ThreadPoolExecutor(COPY_THREADS) as pool:
         jobs = pool.map(lambda item: _copy_media(store, target, *item), media.items())
@@ -81,7 +88,7 @@ def export(
         )
     external = {uri: rel for (uri, _), rel in renamed.items() if uri != rel}
     copied = [
-        _copy_rollout_file(store, target, file, external)
+        _copy_rollout_file(store, target, file, external, checked[file.path])
         for file in bar(selected, desc="export: rows", unit="file", progress=progress)
     ]
     for run_id in sorted({f.run_id for f in selected}):  # the writers' family rule, there too
@@ -90,10 +97,15 @@ def export(
     return target
 
 
-def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]) -> None:
-    parquet = open_rollout_file(store, path)
-    check_schema_version(parquet.metadata.metadata, where=path)
-    refs = flatten_refs(read_ref_columns(parquet, file=path))
+def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]) -> str:
+    """Check one file as the loader reads it (:func:`read_checked`: every page's checksum,
+    every row's checks and bounds) and note the media its rows use; the content hash of
+    the bytes checked, so that the copy is known to be of those very bytes."""
+    with reading(path):
+        data = store.backend.read(path)
+        parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+        rows = read_checked(parquet, path, max_pixels=store.max_image_pixels)
+    refs = flatten_refs(rows)
     firsts = refs.group_by(["uri", "hash"], use_threads=False).aggregate(
         [("sample_id", "first"), ("image_index", "first")]
     )
@@ -103,6 +115,7 @@ def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]
         media.setdefault(
             (uri, digest), {**where_of_file(path), "sample_id": sample_id, "image_index": index}
         )
+    return content_hash(data)
 
 
 def _create_empty(dest: str, s3_options: dict[str, Any]) -> Store:
@@ -136,16 +149,22 @@ def _copy_media(
 
 
 def _copy_rollout_file(
-    store: Store, target: Store, file: TableFile, external: dict[str, str]
+    store: Store, target: Store, file: TableFile, external: dict[str, str], digest: str
 ) -> TableFile:
-    """Copy one rollout file (its URIs rewritten where media was external); what commits
-    the copy."""
+    """Copy one rollout file (its URIs rewritten where media was external) if its bytes are
+    still those checked (``digest``); what commits the copy."""
     path = file.path
     data = store.backend.read(path)
-    parquet = pq.ParquetFile(pa.BufferReader(data))
+    if content_hash(data) != digest:
+        raise CorruptFileError(
+            "rollout file changed while it was exported (after its rows were checked)",
+            **where_of_file(path),
+        )
+    parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
     uris = read_ref_columns(parquet, file=path)
     if external and set(flatten_refs(uris).column("uri").to_pylist()) & external.keys():
-        data = _rewrite_uris(parquet, external)
+        with reading(path):
+            data = _rewrite_uris(parquet, external)
     _write_verified(target.backend, path, data)
     return TableFile(path, file.run_id, file.step, len(data), parquet.metadata.num_rows)
 

@@ -12,6 +12,9 @@ gc keeps:
   than the grace period too.
 - **media** referenced by a kept rollout file (only their ``images[].hash`` leaf column is
   read) or held by a pin.
+- **run layout records** (``runs/<run>/<fingerprint>.json``, see :mod:`mmstore._rows.runs`)
+  of every run a kept or remaining rollout file belongs to; a record of a run with none is
+  deleted once it is older than the grace period (writers renew theirs).
 
 Why concurrent writers never end up with a dangling ref
 -------------------------------------------------------
@@ -64,9 +67,9 @@ from mmstore._exceptions import (
 from mmstore._format.media import media_path
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._rows.files import media_hash, referenced_hashes, select_from
-from mmstore._rows.runs import run_dir
+from mmstore._rows.runs import RUNS, run_dir, stale_records
 from mmstore._rows.store import Store
-from mmstore._rows.versions import added_after, version_at, version_files
+from mmstore._rows.versions import table_of, version_at, version_files
 from mmstore._rows.writer import check_partition
 from mmstore._storage.backends import STAGING, Backend, FileStat, LocalBackend
 from mmstore._storage.store import MEDIA, ROLLOUTS
@@ -97,6 +100,7 @@ class GcReport:
     rollout_files_deleted: list[str] = field(default_factory=list)  # no version needs them
     rollout_bytes_freed: int = 0
     rollout_files_kept: int = 0  # Parquet files kept (needed, pinned or within grace)
+    run_records_deleted: list[str] = field(default_factory=list)  # runs/<run>/<fp>.json
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,6 +224,7 @@ def _collect(
     # Order matters (module docstring): candidates first (media, then Parquet), then marks.
     media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]
     parquet = store.listed_rollout_files()
+    records = store.backend.list(RUNS)
     pins = read_pin_records(store)
     latest, needed = needed_files(store, cutoff, pins)
     if removing and cutoff >= now:
@@ -228,6 +233,10 @@ def _collect(
     if not dry_run:
         _delete_rollout_files(store, doomed)
     survivors = {f.path for f in doomed if not dry_run and store.backend.stat(f.path)}
+    stale = _stale_run_records(records, parquet, doomed, needed | survivors, cutoff)
+    if not dry_run:
+        # Re-checked just before: a writer may have renewed it since the listing.
+        stale = [r for r in stale if _delete_if_older(store.backend, r, cutoff)]
     kept_files = sorted(needed | survivors)  # a survivor's media stays with it
     marked = referenced_hashes(store, kept_files, progress=progress, desc="gc: mark")
     pinned = set().union(*(pin.hashes for pin in pins.values()))
@@ -241,16 +250,16 @@ def _collect(
         deleted = [m for m, gone in zip(candidates, swept, strict=True) if gone]
     gone_paths = {m.path for m in deleted}
     kept = [m for m in media if m.path not in gone_paths]
-    stale = [s.path for s in store.staging_files() if _stale(store.backend, s, cutoff)]
+    staged = [s.path for s in store.staging_files() if _stale(store.backend, s, cutoff)]
     if not dry_run:
-        for path in stale:
+        for path in staged:
             store.backend.delete(path)
     return GcReport(
         deleted=sorted(gone_paths),
         kept=len(kept),
         bytes_freed=sum(m.size for m in deleted),
         bytes_kept=sum(m.size for m in kept),
-        staging_cleared=sorted(stale),
+        staging_cleared=sorted(staged),
         dry_run=dry_run,
         referenced=len(marked),
         files_scanned=len(kept_files),
@@ -260,18 +269,50 @@ def _collect(
         rollout_files_deleted=sorted(f.path for f in doomed),
         rollout_bytes_freed=sum(f.size for f in doomed if f.path not in survivors),
         rollout_files_kept=len(parquet) - len(doomed) + len(survivors),
+        run_records_deleted=stale,
     )
+
+
+def _stale_run_records(
+    records: list[FileStat],
+    parquet: list[FileStat],
+    doomed: list[FileStat],
+    kept: set[str],
+    cutoff: float,
+) -> list[str]:
+    """The run layout records (``runs/<run>/<fp>.json``) no one needs: of runs with no file
+    in a version something still needs (``kept``: needed, pinned, or surviving its delete)
+    and no Parquet file left on storage (an orphan within its grace may be a writer's
+    file about to be committed: its run's records stay), older than the cutoff."""
+    gone = {f.path for f in doomed}
+    paths = kept | {f.path for f in parquet if f.path not in gone}
+    keep_runs = {_run_of(path) for path in paths}
+    return sorted(r.path for r in stale_records(records, keep_runs, cutoff))
+
+
+def _delete_if_older(backend: Backend, rel: str, cutoff: float) -> bool:
+    now = backend.stat(rel)
+    if now is None or now.mtime >= cutoff:
+        return False
+    backend.delete(rel)
+    return True
+
+
+def _run_of(path: str) -> str:
+    """The run of ``rollouts/run_id=<run>/step=<step>/<name>``."""
+    return path.split("/")[1].removeprefix("run_id=")
 
 
 def needed_files(store: Store, cutoff: float, pins: dict[str, PinRecord]) -> tuple[int, set[str]]:
     """The latest version, and every rollout file a version someone may read lists: the
-    version that was the latest at ``cutoff``, the files added since, and the pins'."""
+    versions from the one that was the latest at ``cutoff`` on (the latest's files and
+    every file a commit since removed), and the pins'. Reads the log's entries after its
+    last checkpoint and the checkpoint's tombstones, not every commit since ``cutoff``."""
     latest = version_files(store)
     at_cutoff = version_at(store, cutoff * 1000, latest.version)
     needed = {f.path for f in latest.files}
     if at_cutoff != latest.version:
-        needed |= {f.path for f in version_files(store, at_cutoff).files}
-        needed |= added_after(store, at_cutoff)
+        needed |= store.table.removed_after(at_cutoff, cutoff * 1000)
     for pin in pins.values():
         needed |= pin.files
     return latest.version, needed
@@ -364,3 +405,93 @@ def _sweep_local(backend: LocalBackend, rel: str, cutoff: float) -> bool:
         return False
     finally:
         os.unlink(claimed)
+
+
+# -- accounting (read-only) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """Where a store's bytes are, and what ``gc(store, grace_seconds)`` would do with them.
+    Counts are files, sizes bytes; nothing is deleted to find out."""
+
+    grace_seconds: float
+    rollout_files: int  # every Parquet file under rollouts/ (committed or not)
+    rollout_bytes: int
+    media_referenced: int  # media the latest version's rows or a pin reference
+    media_referenced_bytes: int
+    media_pinned_only: int  # of those, held by a pin alone (no row of the latest version)
+    media_unreferenced: int  # media nothing of the latest version or a pin references
+    media_unreferenced_bytes: int
+    staging_bytes: int  # in-flight writes and gc leftovers in _staging/
+    free_now_files: int  # what a gc with this grace period deletes now (rollouts + media)
+    free_now_bytes: int
+    grace_files: int  # what it keeps only for the grace period (released or young)
+    grace_bytes: int
+    free_by: float | None  # when (seconds since the epoch) those are collectable, at the latest
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rollout_bytes + self.media_referenced_bytes + self.media_unreferenced_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def disk_usage(store: Store, grace_seconds: float = 3600) -> DiskUsage:
+    """Account for every byte of ``store`` by what holds it: rollout files, media that rows
+    of the latest version or pins reference, and media nothing references; and split what a
+    gc with ``grace_seconds`` would do into what it frees now and what it keeps only for the
+    grace period (released rows, young unreferenced media), with when that goes. Uses gc's
+    own rule (:func:`needed_files`), so the two never disagree; reads, never deletes."""
+    now = time.time()
+    cutoff = now - grace_seconds
+    media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]
+    parquet = store.listed_rollout_files()
+    pins = read_pin_records(store)
+    latest, needed = needed_files(store, cutoff, pins)
+    pinned = set().union(*(pin.hashes for pin in pins.values()))
+    pinned_files = set().union(*(pin.files for pin in pins.values()))
+    latest_files = {f.path for f in version_files(store, latest).files}
+    rows = referenced_hashes(store, sorted(latest_files))
+    live = rows | referenced_hashes(store, sorted(pinned_files)) | pinned
+    marked = live | referenced_hashes(store, sorted(needed - pinned_files))
+    free_rollouts = [f for f in parquet if f.path not in needed and f.mtime < cutoff]
+    free_media = [m for m in media if media_hash(m.path) not in marked and m.mtime < cutoff]
+    freed = {f.path for f in [*free_rollouts, *free_media]}
+    latest_files |= pinned_files
+    held = [f for f in parquet if f.path not in latest_files and f.path not in freed]
+    held += [m for m in media if media_hash(m.path) not in live and m.path not in freed]
+    referenced = [m for m in media if media_hash(m.path) in live]
+    return DiskUsage(
+        grace_seconds=float(grace_seconds),
+        rollout_files=len(parquet),
+        rollout_bytes=sum(f.size for f in parquet),
+        media_referenced=len(referenced),
+        media_referenced_bytes=sum(m.size for m in referenced),
+        media_pinned_only=sum(media_hash(m.path) not in rows for m in referenced),
+        media_unreferenced=len(media) - len(referenced),
+        media_unreferenced_bytes=sum(m.size for m in media) - sum(m.size for m in referenced),
+        staging_bytes=sum(s.size for s in store.staging_files()),
+        free_now_files=len(freed),
+        free_now_bytes=sum(f.size for f in [*free_rollouts, *free_media]),
+        grace_files=len(held),
+        grace_bytes=sum(f.size for f in held),
+        free_by=_free_by(store, latest, held, needed - latest_files, grace_seconds),
+    )
+
+
+def _free_by(
+    store: Store, latest: int, held: list[FileStat], released: set[str], grace: float
+) -> float | None:
+    """The latest time gc frees what it keeps for the grace period, if nothing changes: a
+    young file once it is ``grace`` old; released rows (and their media) once the latest
+    commit is, for no version older than that is needed then."""
+    if not held:
+        return None
+    times = [f.mtime + grace for f in held]
+    if released:
+        entry = table_of(store).log_entry(latest)
+        stamp = None if entry is None else entry.timestamp_ms
+        times.append((time.time() if stamp is None else stamp / 1000) + grace)
+    return max(times)

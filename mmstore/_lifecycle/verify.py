@@ -19,7 +19,6 @@ can and cannot know without a processor), and every distinct media file is read 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable
@@ -29,25 +28,22 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from mmstore._exceptions import (
-    InvalidRolloutError,
     MmstoreError,
     SchemaVersionError,
     UntrustedURIError,
 )
-from mmstore._families import Family, family_for_layout, layout_for_fingerprint, layout_from_record
 from mmstore._format.media import content_hash
-from mmstore._format.schema import META_LAYOUTS, ROW_COLUMNS, check_schema_version
+from mmstore._format.schema import ROW_COLUMNS, check_schema_version
 from mmstore._lifecycle.gc import needed_files
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._progress import bar
-from mmstore._rows.check import RowWindow
+from mmstore._rows.check import RowWindow, UnknownLayoutError, footer_checker
 from mmstore._rows.files import (
     HASH_RE,
-    check_value_counts,
     conform,
+    decode_every_page,
     flatten_refs,
     media_hash,
     open_rollout_file,
@@ -58,7 +54,7 @@ from mmstore._rows.files import (
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._rows.versions import version_files
-from mmstore._storage.backends import Backend, FileStat, LocalBackend
+from mmstore._storage.backends import Backend, FileStat, LocalBackend, network_error
 from mmstore._storage.store import MEDIA, PINS
 
 PROBLEM_KINDS = (
@@ -178,10 +174,21 @@ def _exists(store: Store, path: str) -> bool:
     return False
 
 
+def _raise_if_retryable(exc: BaseException, where: dict[str, Any]) -> None:
+    """Storage that did not answer says nothing about the data: a :class:`NetworkError`
+    (retryable) is raised, never reported as damage."""
+    if isinstance(exc, MmstoreError) and exc.retryable:
+        raise exc.with_context(**where) from None
+    typed = network_error(exc, **where)
+    if typed is not None:
+        raise typed from None
+
+
 def _read_pins(store: Store) -> dict[str, PinRecord] | Problem:
     try:
         return read_pin_records(store)
     except MmstoreError as exc:  # reported, not raised: verify lists everything it finds
+        _raise_if_retryable(exc, {"file": exc.context.get("file", PINS)})
         return Problem("unreadable_file", exc.message, file=exc.context.get("file", PINS))
 
 
@@ -219,7 +226,7 @@ def _verify_file(
         problems: list[Problem] = []
         if checker.check_hashes:
             # Every page decoded, and every row checked as the loader checks it.
-            rows = conform(_decode_every_page(parquet, path), ROW_COLUMNS, file=path)
+            rows = conform(decode_every_page(parquet, path), ROW_COLUMNS, file=path)
             problems = _row_problems(store, rows, parquet.metadata.metadata, where)
         columns = read_ref_columns(parquet, file=path)
         with reading(path):  # a file without page checksums may still hold invalid UTF-8
@@ -235,6 +242,7 @@ def _verify_file(
     except SchemaVersionError as exc:
         return [Problem("schema_version", exc.message, **where)], 0
     except (MmstoreError, OSError, pa.ArrowException) as exc:
+        _raise_if_retryable(exc, where)
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         return [Problem("unreadable_file", message, **where)], 0
     problems += _duplicate_samples(sample_ids, seen_samples, where)
@@ -245,40 +253,22 @@ def _verify_file(
     return problems, refs.num_rows
 
 
-def _decode_every_page(parquet: pq.ParquetFile, path: str) -> pa.Table:
-    """Read every page (checking its CRC and value counts) and validate the Arrow data
-    (UTF-8, offsets), row group by row group; the whole file's rows."""
-    tables = []
-    for i in range(parquet.metadata.num_row_groups):
-        with reading(path):
-            table = parquet.read_row_group(i)
-            table.validate(full=True)
-        check_value_counts(parquet.metadata, i, table, path)
-        tables.append(table)
-    if not tables:
-        return parquet.schema_arrow.empty_table()
-    return pa.concat_tables(tables)
-
-
 def _row_problems(
     store: Store, rows: pa.Table, footer: dict[bytes, bytes] | None, where: dict[str, Any]
 ) -> list[Problem]:
-    """The loader's row checks (:mod:`._rowcheck`) on every row of one file.
+    """The loader's row checks (:mod:`mmstore._rows.check`) on every row of one file.
 
-    verify has no processor: a ref's family comes from the layout record in the file's
-    footer when that record hashes to the ref's fingerprint, else from a layout built in
-    this process (``mmstore.adapter_for``). A fingerprint neither knows is reported as
-    ``unknown_layout``: its spans cannot be checked here, and the loader refuses it unless
-    its processor has exactly that layout. Token ids come from the footer record (the
-    writer's tokenizer) or the family's published ids: verify cannot know the tokenizer a
-    trainer will use, so the loader checks again with its own.
+    verify has no processor: families and token ids are :func:`footer_checker`'s. A
+    fingerprint neither the footer nor this process knows is reported as ``unknown_layout``:
+    its spans cannot be checked here, and the loader refuses it unless its processor has
+    exactly that layout.
     """
-    families = _footer_families(footer)
+    family_of, token_ids = footer_checker(footer)
     window = RowWindow(
         rows,
-        lambda fp, name: _family_for(families, fp, name),
+        family_of,
         max_pixels=store.max_image_pixels,
-        image_token_ids=sorted({t for f in families.values() for t in f.special_token_ids}),
+        image_token_ids=token_ids,
         file=where["file"],
     )
     problems = []
@@ -286,54 +276,13 @@ def _row_problems(
         try:
             window.check(i)
         except MmstoreError as exc:
-            kind = "unknown_layout" if isinstance(exc, _UnknownLayout) else "invalid_row"
+            kind = "unknown_layout" if isinstance(exc, UnknownLayoutError) else "invalid_row"
             context = {k: v for k, v in exc.context.items() if k in _PROBLEM_CONTEXT}
             problems.append(Problem(kind, exc.message, **{**where, **context}))
     return problems
 
 
 _PROBLEM_CONTEXT = ("sample_id", "image_index")
-
-
-class _UnknownLayout(InvalidRolloutError):
-    """A fingerprint that neither the footer nor this process can lay out."""
-
-
-def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
-    """Fingerprint -> Family, from the footer's layout records that hash to their key."""
-    try:
-        records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
-    except ValueError:
-        return {}
-    if not isinstance(records, dict):
-        return {}
-    families = {}
-    for fingerprint, record in records.items():
-        try:
-            layout = layout_from_record(record)
-            hash(layout)  # forged parameter values may be lists or dicts
-        except (MmstoreError, TypeError, ValueError):
-            continue  # an unknown family or a forged record: not evidence of anything
-        if layout.fingerprint == fingerprint:
-            families[fingerprint] = family_for_layout(layout)
-    return families
-
-
-def _family_for(families: dict[str, Family], fingerprint: str, name: str) -> Family:
-    family = families.get(fingerprint)
-    if family is None:
-        layout = layout_for_fingerprint(fingerprint)
-        if layout is None:
-            raise _UnknownLayout(
-                f"layout fingerprint {fingerprint!r} is in neither the file's footer nor this "
-                "process: its spans cannot be checked without the processor"
-            )
-        family = families[fingerprint] = family_for_layout(layout)
-    if family.family != name:
-        raise InvalidRolloutError(
-            f"ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
-        )
-    return family
 
 
 def _duplicate_samples(

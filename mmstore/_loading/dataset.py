@@ -296,6 +296,10 @@ class RolloutDataset(IterableDataset[Sample]):
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+# Differences and files a layout mismatch names (the count says how many there are).
+SHOWN = 3
+
+
 def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
     """Refuse a snapshot whose files were laid out for another processor, naming the runs."""
     found = fingerprints_by_file(store, snapshot)
@@ -314,7 +318,9 @@ def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
         f"(stored vs processor) in {listing}. Build the image processor with the stored "
         "parameters, or select other runs (runs=...)",
         runs=sorted({r for rs in runs.values() for r in rs}),
-        files=sorted({f for files in wrong.values() for f in files}),
+        # the first few files: a long run would fill a screen with paths
+        files=sorted({f for files in wrong.values() for f in files})[:SHOWN],
+        num_files=sum(len(files) for files in wrong.values()),
     )
 
 
@@ -792,12 +798,18 @@ class RolloutLoader:
 
 
 def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
-    """``patch_size 14 vs 16, max_pixels …`` over every parameter either side records."""
+    """``family differs (a vs b)``, or ``2 parameters differ: patch_size 14 vs 16, …`` (the
+    first few): what tells a user which processor to build, not every field."""
     if stored is None:
         return "a layout their footers do not record"
-    keys = sorted(stored.keys() | mine.keys(), key=lambda k: (k != "family", k))
+    if stored.get("family") != mine.get("family"):
+        return f"family differs ({stored.get('family')} vs {mine.get('family')})"
+    keys = sorted(stored.keys() | mine.keys())
     differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
-    return ", ".join(differ) or "the same parameters under another fingerprint"
+    if not differ:
+        return "the same parameters under another fingerprint"
+    more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
+    return f"{len(differ)} parameter(s) differ: {', '.join(differ[:SHOWN])}{more}"
 
 
 def _rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError, SampleTooLongError
+from mmstore._loading.materialize import Materialized
 from mmstore._loading.microbatch import pack
 from mmstore._loading.spec import MaterializerSource, ReadSpec
 from mmstore._planning.pack import RankPlan, budget_for, epoch_order, plan_epoch
@@ -28,6 +29,7 @@ from mmstore._rows.check import RowWindow
 from mmstore._rows.files import open_rollout_file
 from mmstore._rows.lengths import RowMeta, read_row_meta
 from mmstore._rows.snapshot import WorkUnit, read_units
+from mmstore._rows.store import Store
 
 # Row groups a worker keeps decoded: a step's rows come from a couple of shuffle windows.
 UNIT_CACHE = 16
@@ -160,11 +162,11 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         plan, order = self.planner.plan(self.epoch)
         spec = self.planner.spec
         cache = self.source.get().cache
-        units: OrderedDict[WorkUnit, RowWindow] = OrderedDict()
+        reader = UnitReader(spec.store, self.source)
         stop = len(plan) if self.stop is None else min(self.stop, len(plan))
         for index in range(self.start + worker, stop, workers):
             hits, misses = cache.hits, cache.misses
-            samples = [self._sample(int(order[p]), units) for p in plan.samples(index)]
+            samples = [self._sample(int(order[p]), reader) for p in plan.samples(index)]
             batch = pack(
                 samples,
                 spec.adapter,
@@ -184,22 +186,39 @@ class PackedStream(IterableDataset[dict[str, Any]]):
             )
             yield batch
 
-    def _sample(self, row: int, units: OrderedDict[WorkUnit, RowWindow]) -> Any:
+    def _sample(self, row: int, reader: UnitReader) -> Any:
         unit, index = self.planner.locate(row)
+        return reader.sample(unit, index, int(self.planner.meta().lengths[row]))
+
+
+class UnitReader:
+    """Checked, materialized rows of work units for one stream in one process: a unit is
+    read (conformed, checked as the padded loader reads) once while it is among the
+    :data:`UNIT_CACHE` last used."""
+
+    def __init__(self, store: Store, source: MaterializerSource) -> None:
+        self.store = store
+        self.source = source
+        self.units: OrderedDict[WorkUnit, RowWindow] = OrderedDict()
+
+    def sample(self, unit: WorkUnit, index: int, expected_tokens: int) -> Materialized:
+        """Row ``index`` of ``unit``, whose length the plan (the footer) says is
+        ``expected_tokens``: the footer's count is checked, never trusted."""
         materializer = self.source.get()
-        window = units.get(unit)
-        if window is None:  # read, conformed and checked as the padded loader reads
-            table = read_units(self.planner.spec.store, [unit])
+        window = self.units.get(unit)
+        if window is None:
+            table = read_units(self.store, [unit])
             # Which worker packs which row is the plan's: any row may be another's.
             materializer.note_window(table, [table.num_rows])
-            window = units[unit] = materializer.window(table)
-            while len(units) > UNIT_CACHE:
-                units.popitem(last=False)
+            window = self.units[unit] = materializer.window(table)
+            while len(self.units) > UNIT_CACHE:
+                self.units.popitem(last=False)
+        else:
+            self.units.move_to_end(unit)
         sample = materializer.checked_sample(window.row(index))
-        expected = int(self.planner.meta().lengths[row])
-        if len(sample.input_ids) != expected:  # the footer's count is checked, never trusted
+        if len(sample.input_ids) != expected_tokens:
             raise CorruptFileError(
-                f"row has {len(sample.input_ids)} tokens, the plan (footer) says {expected}",
+                f"row has {len(sample.input_ids)} tokens, the plan (footer) says {expected_tokens}",
                 file=unit.file,
                 run_id=unit.run_id,
                 step=unit.step,

@@ -24,20 +24,33 @@ torch tensors with its images' tensors.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, MmstoreError
-from mmstore._families import Family
+from mmstore._families import (
+    Family,
+    family_for_layout,
+    layout_for_fingerprint,
+    layout_from_record,
+)
 from mmstore._format.models import ImageRef
-from mmstore._format.schema import FILE_COLUMN, ROLLOUT_SCHEMA, ROW_COLUMNS
-from mmstore._rows.files import where_of_file
+from mmstore._format.schema import (
+    FILE_COLUMN,
+    META_LAYOUTS,
+    ROLLOUT_SCHEMA,
+    ROW_COLUMNS,
+    check_schema_version,
+)
+from mmstore._rows.files import conform, decode_every_page, where_of_file
 from mmstore._rows.invariants import check_spans, truncation_point
 
 # No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
@@ -381,6 +394,96 @@ def _codes(array: pa.Array) -> tuple[np.ndarray, list[Any]]:
 
 
 IMAGE_FIELDS = tuple(f.name for f in ROLLOUT_SCHEMA.field("images").type.value_type)
+
+
+def read_checked(
+    parquet: pq.ParquetFile,
+    path: str,
+    *,
+    max_pixels: int,
+    sample_ids: Collection[str] | None = None,
+) -> pa.Table:
+    """The rows of an opened committed file (those with ``sample_ids``, if given) as the
+    loader trusts them: every page checked against its CRC and value counts
+    (:func:`decode_every_page`), columns cast to the v1 types, then each row through the
+    loader's checks and bounds (families as :func:`footer_checker` finds them). The first
+    bad row raises its typed error naming the file, run, step and sample; no row becomes a
+    Python object before.
+
+    For readers without a processor: read-back, export, ``debug``. The columns are the
+    loader's and whichever other v1 columns the file has.
+    """
+    check_schema_version(parquet.metadata.metadata, where=path)
+    raw = decode_every_page(parquet, path)
+    names = [n for n in ROLLOUT_SCHEMA.names if n in ROW_COLUMNS or n in raw.column_names]
+    table = conform(raw, names, file=path)
+    if sample_ids is not None:  # Arrow filtering builds no row
+        wanted = pa.array(sorted(sample_ids), pa.string())
+        table = table.filter(pc.is_in(table.column("sample_id"), wanted))
+    family_of, token_ids = footer_checker(parquet.metadata.metadata)
+    window = RowWindow(
+        table, family_of, max_pixels=max_pixels, image_token_ids=token_ids, file=path
+    )
+    for i in range(window.num_rows):
+        window.check(i)
+    return table
+
+
+class UnknownLayoutError(InvalidRolloutError):
+    """A fingerprint that neither the file's footer nor this process can lay out: its spans
+    cannot be checked without the processor."""
+
+
+def footer_checker(footer: dict[bytes, bytes] | None) -> tuple[FamilyOf, list[int]]:
+    """The family lookup and image token ids of a reader without a processor.
+
+    A ref's family comes from the layout record in the file's footer when that record hashes
+    to the ref's fingerprint, else from a layout built in this process
+    (``mmstore.adapter_for``); a fingerprint neither knows raises
+    :class:`UnknownLayoutError`. Token ids come from the footer's records (the writer's
+    tokenizer): a reader without a processor cannot know the trainer's, so the loader checks
+    again with its own.
+    """
+    families = _footer_families(footer)
+    token_ids = sorted({t for f in families.values() for t in f.special_token_ids})
+
+    def family_of(fingerprint: str, name: str) -> Family:
+        family = families.get(fingerprint)
+        if family is None:
+            layout = layout_for_fingerprint(fingerprint)
+            if layout is None:
+                raise UnknownLayoutError(
+                    f"layout fingerprint {fingerprint!r} is in neither the file's footer nor "
+                    "this process: its spans cannot be checked without the processor"
+                )
+            family = families[fingerprint] = family_for_layout(layout)
+        if family.family != name:
+            raise InvalidRolloutError(
+                f"ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
+            )
+        return family
+
+    return family_of, token_ids
+
+
+def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
+    """Fingerprint -> Family, from the footer's layout records that hash to their key."""
+    try:
+        records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
+    except ValueError:
+        return {}
+    if not isinstance(records, dict):
+        return {}
+    families = {}
+    for fingerprint, record in records.items():
+        try:
+            layout = layout_from_record(record)
+            hash(layout)  # forged parameter values may be lists or dicts
+        except (MmstoreError, TypeError, ValueError):
+            continue  # an unknown family or a forged record: not evidence of anything
+        if layout.fingerprint == fingerprint:
+            families[fingerprint] = family_for_layout(layout)
+    return families
 
 
 def family_checker(adapter: Family) -> FamilyOf:

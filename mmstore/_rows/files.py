@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from stat import S_ISREG
@@ -27,13 +30,15 @@ from mmstore._exceptions import (
     InvalidArgumentError,
     MmstoreError,
     NetworkError,
-    NoMatchError,
+    RunNotFoundError,
     SchemaVersionError,
+    StepNotCommittedError,
 )
 from mmstore._format.schema import PARTITION_FIELDS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
 from mmstore._rows.table import TableFile, TableSnapshot
 from mmstore._rows.versions import version_files
+from mmstore._rows.writer import RUN_ID_PATTERN
 from mmstore._storage.backends import network_error
 from mmstore._storage.store import Storage
 
@@ -80,9 +85,10 @@ def select_from(
 ) -> list[TableFile]:
     """The files of ``snapshot`` whose partition matches the selection.
 
-    A selection that names a run the version does not hold, or that matches no file at
-    all, raises :class:`NoMatchError` naming the runs and steps there are: a typo must not
-    turn into a silent run over nothing.
+    A selection that names a run the version does not hold raises :class:`RunNotFoundError`;
+    one that matches no file otherwise, :class:`StepNotCommittedError` (both a
+    ``NoMatchError``), naming the runs and steps there are: a typo must not turn into a
+    silent run over nothing.
     """
     run_set = _run_set(runs)
     step_set = _step_set(steps)
@@ -105,11 +111,15 @@ def select_from(
             if part
         )
         why = f"no run {', '.join(map(repr, unknown))}" if unknown else "no such step"
-        raise NoMatchError(
+        # A typo'd run and a step not committed yet are told apart by type: a consumer
+        # polling for new steps stops on the first and waits on the second.
+        error = RunNotFoundError if unknown else StepNotCommittedError
+        raise error(
             f"no committed rollout files match {chosen} ({why}); version {snapshot.version} "
             f"of the store holds {holdings(held)}",
             root=root,
             version=snapshot.version,
+            missing_runs=unknown or None,
         )
     return selected
 
@@ -167,16 +177,73 @@ def open_rollout_file(store: Storage, path: str) -> pq.ParquetFile:
     Every page read through it has its CRC checked (files written without checksums, by
     other engines, read as before). Read its pages inside :func:`reading` so that a corrupt
     page raises :class:`CorruptFileError` naming the file, not a bare ``OSError``.
+
+    The footer is parsed once per file and process (:class:`_Footers`): readers open a file
+    once per window or row group, and parsing a footer costs time in proportion to the
+    file's row groups, so a file of many small row groups would cost its square.
     """
     with reading(path):
         full = store.backend.abspath(path)
         # Opening a FIFO for reading blocks until a writer appears: refuse anything but a
         # regular file first (stat never blocks).
-        local = isinstance(store.backend.fs, pafs.LocalFileSystem)
-        if local and not S_ISREG(os.stat(full).st_mode):
-            raise CorruptFileError("not a regular file", **where_of_file(path))
+        identity: tuple[int, ...] | None = None
+        if isinstance(store.backend.fs, pafs.LocalFileSystem):
+            st = os.stat(full)
+            if not S_ISREG(st.st_mode):
+                raise CorruptFileError("not a regular file", **where_of_file(path))
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         source = store.backend.fs.open_input_file(full)
-        return pq.ParquetFile(source, page_checksum_verification=True)
+        if identity is None:  # an object store: its objects are written once, whole
+            identity = (int(source.size()),)
+        key = (type(store.backend.fs).__name__, full)
+        parquet = pq.ParquetFile(
+            source, metadata=_FOOTERS.get(key, identity), page_checksum_verification=True
+        )
+        _FOOTERS.put(key, identity, parquet.metadata)
+        return parquet
+
+
+class _Footers:
+    """Parsed footers of the files read last, each with what identified its file (device,
+    inode, size and timestamps locally; the size of an immutable object on S3).
+
+    A rewritten file is parsed again: its identity changed. A file modified within the file
+    system's timestamp granularity of its last change could keep the identity its old footer
+    was cached with, so a footer is kept only once its file is older than
+    :data:`_SETTLED_S` (committed files are never rewritten; a young one is parsed each time).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], tuple[tuple[int, ...], pq.FileMetaData]] = (
+            OrderedDict()
+        )
+
+    def get(self, key: tuple[str, str], identity: tuple[int, ...]) -> pq.FileMetaData | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None or found[0] != identity:
+                return None
+            self._entries.move_to_end(key)
+            return found[1]
+
+    def put(self, key: tuple[str, str], identity: tuple[int, ...], meta: pq.FileMetaData) -> None:
+        if len(identity) > 1 and time.time_ns() - identity[3] < _SETTLED_S * 1e9:
+            return  # changed too recently to tell a later change from this one
+        with self._lock:
+            self._entries[key] = (identity, meta)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+
+# Files whose footers stay parsed per process: a DataLoader worker reads a few files at a time.
+FOOTER_CACHE_FILES = 64
+# Seconds after its last change before a local file's footer is kept (far above any file
+# system's timestamp granularity).
+_SETTLED_S = 2.0
+_FOOTERS = _Footers(FOOTER_CACHE_FILES)
 
 
 @contextmanager
@@ -218,6 +285,43 @@ def check_value_counts(meta: pq.FileMetaData, row_group: int, table: pa.Table, p
                 f"values, the footer records {chunk.num_values}",
                 **where_of_file(path),
             )
+
+
+def decode_every_page(parquet: pq.ParquetFile, path: str) -> pa.Table:
+    """Every row of an opened rollout file: each page read (its CRC checked) and the Arrow
+    data validated (UTF-8, offsets), each row group's value counts checked against the
+    footer; :class:`CorruptFileError` naming the file otherwise."""
+    tables = []
+    for i in range(parquet.metadata.num_row_groups):
+        with reading(path):
+            table = parquet.read_row_group(i)
+            table.validate(full=True)
+        check_value_counts(parquet.metadata, i, table, path)
+        tables.append(table)
+    if not tables:
+        return parquet.schema_arrow.empty_table()
+    with reading(path):
+        return pa.concat_tables(tables)
+
+
+def check_run_id(file: TableFile) -> None:
+    """Refuse a committed file whose run id (as the log records it) the writer refuses
+    (``rün``, ``exp 1``, ``a%2Fb``, 129 characters: another engine wrote and committed it),
+    or whose path names another run.
+
+    Readers refuse it where they choose files, before any row is read: a loader that trained
+    on it could not resume (its state would name a file no mmstore path may name).
+    """
+    segment, _ = partition_of(file.path)
+    if RUN_ID_PATTERN.match(file.run_id) and segment == file.run_id:
+        return
+    raise CorruptFileError(
+        f"committed under run id {file.run_id!r}, which mmstore neither writes nor reads (a "
+        f"run id matches {RUN_ID_PATTERN.pattern}, and names the file's run_id= directory); "
+        "another engine wrote it: copy its rows into a run mmstore can name",
+        file=file.path,
+        run_id=file.run_id,
+    )
 
 
 def _level_entries(column: pa.ChunkedArray) -> int | None:

@@ -9,6 +9,7 @@ the ``tokens`` list lengths), the ``group_id`` column and the ``images[].offset`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmstore._exceptions import CorruptFileError, InvalidRolloutError
-from mmstore._format.schema import decode_num_tokens
+from mmstore._format.schema import ROLLOUT_SCHEMA, decode_num_tokens
 from mmstore._rows.files import image_leaf, open_rollout_file
 from mmstore._rows.invariants import truncation_point
 from mmstore._rows.snapshot import Snapshot
@@ -69,18 +70,40 @@ def read_row_meta(store: Storage, snapshot: Snapshot, max_len: int | None = None
     )
 
 
+@dataclass(frozen=True)
+class FileFacts:
+    """Planning facts of one committed file's rows, in file order, and the small columns
+    asked for beside them (``columns``)."""
+
+    meta: pq.FileMetaData
+    row_starts: np.ndarray  # int64 [row groups + 1]: first row of each row group
+    lengths: np.ndarray  # int64 [rows], tokens the loader hands over (after max_len)
+    images: np.ndarray  # int64 [rows], images kept
+    block_start: np.ndarray  # bool [rows], True where a run of one group_id starts
+    columns: dict[str, pa.ChunkedArray]
+
+
 def _file_meta(
     store: Storage, path: str, max_len: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    facts = read_file_facts(store, path, max_len)
+    return facts.lengths, facts.images, facts.block_start, facts.row_starts
+
+
+def read_file_facts(
+    store: Storage, path: str, max_len: int | None, columns: Sequence[str] = ()
+) -> FileFacts:
+    """The planning facts of file ``path``: its footer and a few small columns (plus
+    ``columns``; one the file lacks, a later-added optional column, reads as nulls)."""
     parquet = open_rollout_file(store, path)
     meta = parquet.metadata
     row_starts = np.zeros(meta.num_row_groups + 1, dtype=np.int64)
     np.cumsum([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], out=row_starts[1:])
     leaves = [image_leaf(parquet, "offset", file=path), image_leaf(parquet, "length", file=path)]
     lengths = decode_num_tokens(meta.metadata, meta.num_rows)
-    columns = ["group_id", *leaves] + (["tokens"] if lengths is None else [])
+    wanted = ["group_id", *leaves, *columns] + (["tokens"] if lengths is None else [])
     try:
-        table = parquet.read(columns=columns)
+        table = parquet.read(columns=list(dict.fromkeys(wanted)))
     except (OSError, pa.ArrowException) as exc:
         raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
     if lengths is None:
@@ -89,7 +112,17 @@ def _file_meta(
     images = pc.list_value_length(refs).to_numpy(zero_copy_only=False).astype(np.int64)
     if max_len is not None:
         lengths, images = _truncated(parquet, path, lengths, images, refs, max_len)
-    return lengths, images, _block_starts(table.column("group_id")), row_starts
+    extra = {}
+    for name in columns:
+        if name in table.column_names:
+            extra[name] = table.column(name)
+        else:
+            extra[name] = pa.chunked_array(
+                [pa.nulls(meta.num_rows, ROLLOUT_SCHEMA.field(name).type)]
+            )
+    return FileFacts(
+        meta, row_starts, lengths, images, _block_starts(table.column("group_id")), extra
+    )
 
 
 def _truncated(

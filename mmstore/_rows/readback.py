@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from mmstore._exceptions import CorruptFileError, NoMatchError
+from mmstore._exceptions import NoMatchError
 from mmstore._format.models import Rollout, released
-from mmstore._format.schema import ROLLOUT_SCHEMA, check_schema_version
-from mmstore._rows.files import open_rollout_file, select_files
+from mmstore._rows.check import read_checked
+from mmstore._rows.files import check_run_id, open_rollout_file, select_files
 from mmstore._storage.store import Storage
 
 
@@ -34,11 +33,11 @@ def read_rollouts(
     """
     wanted = None if sample_ids is None else _ids(sample_ids)
     files = select_files(store, run_id, step, version=version)
+    for file in files:  # before any is read
+        check_run_id(file)
     rows: list[Rollout] = []
     for file in files:
-        table = _read(store, file.path)
-        if wanted is not None:
-            table = table.filter(pc.is_in(table.column("sample_id"), pa.array(sorted(wanted))))
+        table = _read(store, file.path, wanted)
         rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())
     missing = sorted(wanted - {r.sample_id for r in rows}) if wanted is not None else []
     if missing or not rows:
@@ -56,10 +55,8 @@ def _ids(sample_ids: str | Iterable[str]) -> set[str]:
     return {sample_ids} if isinstance(sample_ids, str) else set(sample_ids)
 
 
-def _read(store: Storage, path: str) -> pa.Table:
+def _read(store: Storage, path: str, wanted: set[str] | None) -> pa.Table:
+    """A file's rows (those ``wanted``) as the loader trusts them (:func:`read_checked`:
+    page checksums, row checks, the token and image caps), before any is a Python object."""
     parquet = open_rollout_file(store, path)
-    check_schema_version(parquet.metadata.metadata, where=path)
-    try:
-        return parquet.read(columns=ROLLOUT_SCHEMA.names)
-    except (OSError, pa.ArrowException) as exc:
-        raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
+    return read_checked(parquet, path, max_pixels=store.max_image_pixels, sample_ids=wanted)

@@ -7,25 +7,41 @@ So a writer records each layout its rows use once per run, before the commit tha
 those rows visible, and a writer that needs the run's family lists one small folder.
 
 A record is ``{"run_id": ..., "fingerprint": ..., "layout": {...}}`` (the footer's layout
-record), written create-if-absent: writers racing on the same run and layout write the same
-bytes, and a record is never changed or removed (each process writes a record once, so a
-removal behind its back would go unnoticed): a run released and written again keeps the
-families it had. ``mmstore upgrade`` writes them for a format-1 store from its footers.
+record) at ``runs/<run_id>/<fingerprint>.json``: writers racing on the same run and layout
+write the same bytes. Each write renews the record's timestamp (as a media put does), and a
+writer process writes each of its runs' records again at most every
+:data:`RENEW_SECONDS`: so a record is at most that old while a process writes its run.
+``mmstore upgrade`` writes them for a format-1 store from its footers.
+
+A record goes when nothing needs its run any more: gc deletes the records of a run that no
+version something still needs lists files of, once they are older than the grace period
+(:func:`stale_records`). Keep the grace period above :data:`RENEW_SECONDS` (the default,
+an hour, is): a process that recorded a run less than that ago does not write its record
+again, so a record deleted sooner (a run released and collected with a shorter grace, then
+written again by the same process) is missing until its next renewal, and text-only rows
+of that run go unchecked for the family's image-only tokens meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mmstore._storage.backends import FileStat
 from mmstore._storage.store import Storage
 
 RUNS = "runs"
+# How often (seconds) a writer process writes a run's records again (renewing them).
+RENEW_SECONDS = 600.0
+# A layout record's file name: the layout's fingerprint (what Layout.fingerprint gives).
+_RECORD_NAME = re.compile(r"^[0-9a-f]{16}\.json$")
 
-# (store root, run, fingerprint) already recorded by this process: one write per process.
-_RECORDED: set[tuple[str, str, str]] = set()
+# (store root, run, fingerprint) -> when this process last wrote it (time.monotonic()).
+_RECORDED: dict[tuple[str, str, str], float] = {}
 _LOCK = threading.Lock()
 
 
@@ -40,18 +56,39 @@ def record_layouts(
     *,
     cached: bool = True,
 ) -> None:
-    """Record ``layouts`` (fingerprint -> layout record) as used by ``run_id`` (once per
-    process unless ``cached`` is off)."""
+    """Record ``layouts`` (fingerprint -> layout record) as used by ``run_id``: written (or
+    renewed) and made durable, at most every :data:`RENEW_SECONDS` per process unless
+    ``cached`` is off."""
     for fingerprint, params in sorted(layouts.items()):
         key = (storage.root, run_id, fingerprint)
+        now = time.monotonic()
         with _LOCK:
-            if cached and key in _RECORDED:
+            if cached and now - _RECORDED.get(key, -RENEW_SECONDS) < RENEW_SECONDS:
                 continue
         record = {"run_id": run_id, "fingerprint": fingerprint, "layout": params}
         data = json.dumps(record, sort_keys=True).encode()
-        storage.backend.write_atomic(f"{run_dir(run_id)}/{fingerprint}.json", data, replace=False)
+        rel = f"{run_dir(run_id)}/{fingerprint}.json"
+        storage.backend.put_content(rel, data)  # the same bytes: renews the timestamp
+        storage.backend.sync([rel])
         with _LOCK:
-            _RECORDED.add(key)
+            _RECORDED[key] = now
+
+
+def stale_records(
+    records: Iterable[FileStat], keep_runs: set[str], cutoff: float
+) -> list[FileStat]:
+    """Of the files listed under ``runs/``, the layout records gc may delete: those of runs
+    not in ``keep_runs`` (the runs some needed version, or a file still on storage, has
+    files of) written before ``cutoff``. Other files there (a release's marker) are not
+    records and never chosen."""
+    stale = []
+    for stat in records:
+        parts = stat.path.split("/")
+        if len(parts) != 3 or parts[0] != RUNS or not _RECORD_NAME.match(parts[2]):
+            continue
+        if parts[1] not in keep_runs and stat.mtime < cutoff:
+            stale.append(stat)
+    return stale
 
 
 def run_layouts(storage: Storage, run_id: str) -> dict[str, dict[str, Any]]:

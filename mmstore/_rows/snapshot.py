@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError
 from mmstore._format.schema import FILE_COLUMN, META_LAYOUTS, ROW_COLUMNS, check_schema_version
 from mmstore._rows.files import (
+    check_run_id,
     check_value_counts,
     conform,
     distinct_leaf,
@@ -81,24 +82,29 @@ def take_snapshot(
         files = [f.path for f in select_from(table, runs, steps, root=store.root)]
     else:
         files = listed_files(store, table, files)
-    units: list[WorkUnit] = []
-    for path in files:
-        run_id, step = partition_of(path)
-        meta = read_footer(store, path)
-        kept = [i for i in range(meta.num_row_groups) if meta.row_group(i).num_rows]
-        ranges = [None, *(_group_range(meta.row_group(i)) for i in kept), None]
-        units.extend(
-            WorkUnit(
-                path,
-                i,
-                meta.row_group(i).num_rows,
-                run_id,
-                step,
-                neighbours=(ranges[k], ranges[k + 2]),
-            )
-            for k, i in enumerate(kept)
-        )
+    logged = {f.path: f for f in table.files}
+    for path in files:  # every file, before any is read
+        check_run_id(logged[path])
+    units = [unit for path in files for unit in file_units(store, path)]
     return Snapshot(tuple(files), tuple(units), table.version)
+
+
+def file_units(store: Storage, path: str, meta: pq.FileMetaData | None = None) -> list[WorkUnit]:
+    """The work units (non-empty row groups) of committed file ``path`` (its footer
+    ``meta`` if already read)."""
+    run_id, step = partition_of(path)
+    if meta is None:
+        meta = read_footer(store, path)
+    else:
+        check_schema_version(meta.metadata, where=path)
+    kept = [i for i in range(meta.num_row_groups) if meta.row_group(i).num_rows]
+    ranges = [None, *(_group_range(meta.row_group(i)) for i in kept), None]
+    return [
+        WorkUnit(
+            path, i, meta.row_group(i).num_rows, run_id, step, neighbours=(ranges[k], ranges[k + 2])
+        )
+        for k, i in enumerate(kept)
+    ]
 
 
 def listed_files(store: Storage, table: TableSnapshot, files: Sequence[Any]) -> list[str]:
@@ -110,6 +116,7 @@ def listed_files(store: Storage, table: TableSnapshot, files: Sequence[Any]) -> 
     read rows that were never committed to that version.
     """
     listed = {f.path for f in table.files}
+    seen: set[str] = set()
     for path in files:
         if not isinstance(path, str) or path not in listed:
             raise InvalidArgumentError(
@@ -118,6 +125,11 @@ def listed_files(store: Storage, table: TableSnapshot, files: Sequence[Any]) -> 
                 file=repr(path)[:300],
                 version=table.version,
             )
+        if path in seen:  # its rows would be read twice an epoch, each sample trained twice
+            raise InvalidArgumentError(
+                "state names the same file twice", file=path, version=table.version
+            )
+        seen.add(path)
         if store.backend.stat(path) is None:
             raise InvalidArgumentError(
                 f"state names a file of version {table.version} whose bytes are gone (gc "

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from mmstore._families import Family
 from mmstore._format.models import Rollout
+from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 from mmstore._rows.readback import read_rollouts
 from mmstore._rows.table import RolloutTable, TableFile
 from mmstore._rows.versions import table_of, version_files
@@ -54,6 +55,7 @@ class Store(Storage):
         """A writer whose rows become visible atomically when its ``with`` block exits (one
         new table version). With ``producer`` and ``seq`` the commit happens at most once
         per pair, across retries, processes and crashes (see :class:`RolloutWriter`)."""
+        self._add_new_columns()
         return RolloutWriter(
             self,
             run_id,
@@ -63,6 +65,13 @@ class Store(Storage):
             producer=producer,
             seq=seq,
         )
+
+    def _add_new_columns(self) -> None:
+        """Once per process: give a table made before a column was added to the row schema
+        (``policy_version``) that column, so Delta readers see what new files carry."""
+        if not getattr(self, "_columns_added", False):
+            self.table.add_columns(ROLLOUT_SCHEMA.field(name) for name in OPTIONAL_COLUMNS)
+            self._columns_added = True
 
     def rollouts(
         self,

@@ -329,6 +329,26 @@ def network_error(exc: BaseException, **where: Any) -> NetworkError | None:
     )
 
 
+# What says "the storage answered and refused this caller": S3's own refusals (pyarrow's
+# OSError "... AWS Error ACCESS_DENIED during GetObject operation: Access Denied"), and a
+# bare 403 whose code the SDK could not read (a HEAD has no body to carry one).
+_AWS_DENIED = re.compile(
+    r"AWS Error (ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH"
+    r"|ACCESS_DENIED_EXCEPTION)\b|HTTP status 403\b"
+)
+
+
+def access_denied(exc: BaseException, location: str) -> PermissionError | None:
+    """``exc`` as a ``PermissionError`` (``EACCES``) naming ``location`` if the object store
+    refused the caller, as a local file system's ``EACCES`` would read; None for anything
+    else. Readers type it further (media: :class:`MediaPermissionError`)."""
+    if isinstance(exc, PermissionError | MmstoreError) or not isinstance(exc, OSError):
+        return None
+    if _AWS_DENIED.search(str(exc)) is None:
+        return None
+    return PermissionError(errno.EACCES, f"access denied by the object store ({exc})", location)
+
+
 @contextlib.contextmanager
 def network_errors(**where: Any) -> Iterator[None]:
     """Inside, a network failure (:func:`network_error`) raises :class:`NetworkError` with
@@ -376,9 +396,19 @@ class S3Backend:
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
-    def _network(self, rel: str) -> contextlib.AbstractContextManager[None]:
-        """Network failures on ``rel`` as :class:`NetworkError` naming its location."""
-        return network_errors(location=f"s3://{self.abspath(rel)}")
+    @contextlib.contextmanager
+    def _network(self, rel: str) -> Iterator[None]:
+        """Network failures on ``rel`` as :class:`NetworkError` naming its location; a
+        refusal (access denied) as ``PermissionError`` naming it."""
+        location = f"s3://{self.abspath(rel)}"
+        with network_errors(location=location):
+            try:
+                yield
+            except OSError as exc:
+                denied = access_denied(exc, location)
+                if denied is None:
+                    raise
+                raise denied from None
 
     def read(self, rel: str) -> bytes:
         with self._network(rel):
@@ -387,8 +417,9 @@ class S3Backend:
                     return bytes(f.read())
             except OSError as exc:
                 # Not found, or another failure? Ask once more, unless the endpoint did not
-                # answer at all: a stalled endpoint would only stall the question too.
-                if network_error(exc) is None and self.stat(rel) is None:
+                # answer at all or refused us: asking again would get the same.
+                answered = network_error(exc) is None and access_denied(exc, "") is None
+                if answered and self.stat(rel) is None:
                     raise FileNotFoundError(self.abspath(rel)) from exc
                 raise
 

@@ -38,6 +38,7 @@ from mmstore._exceptions import InvalidRolloutError, MmstoreError
 from mmstore._families import Family, expansion_array, family_for_layout, layout_for_fingerprint
 from mmstore._format.media import upright_bytes
 from mmstore._format.models import ImageRef, Rollout
+from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
 from mmstore._rows.store import Store
 from mmstore.integrations._resolver import (
     DEFAULT_CACHE_BYTES,
@@ -150,6 +151,7 @@ def to_vllm_prefill(store: Store, rollout: Rollout) -> dict[str, Any]:
 
 def _prefix(rollout: Rollout, upto: int | None) -> tuple[list[int], list[ImageRef]]:
     """Tokens ``[:upto]`` and the images lying wholly inside them."""
+    _check_bounds(rollout)
     n = len(rollout.tokens)
     cut = n if upto is None else upto
     if isinstance(cut, bool) or not isinstance(cut, int) or not 0 <= cut <= n:
@@ -168,6 +170,22 @@ def _prefix(rollout: Rollout, upto: int | None) -> tuple[list[int], list[ImageRe
                 image_index=index,
             )
     return rollout.tokens[:cut], kept
+
+
+def _check_bounds(rollout: Rollout) -> None:
+    """The loader's caps on a row (:data:`MAX_ROW_TOKENS`, :data:`MAX_ROW_IMAGES`), before a
+    forged row's tokens are copied or its images decoded."""
+    n, images = len(rollout.tokens), len(rollout.images)
+    if n > MAX_ROW_TOKENS:
+        raise InvalidRolloutError(
+            f"{n} tokens exceed the {MAX_ROW_TOKENS} any row may hold (a forged row?)",
+            sample_id=rollout.sample_id,
+        )
+    if images > min(n, MAX_ROW_IMAGES):
+        raise InvalidRolloutError(
+            f"{images} images for {n} tokens: more than the tokens (or {MAX_ROW_IMAGES}) can hold",
+            sample_id=rollout.sample_id,
+        )
 
 
 def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout) -> list[int]:

@@ -1,0 +1,244 @@
+"""Live consumption: how soon a trainer has its first micro-batch after a step is committed,
+with :class:`mmstore.LiveLoader` against building a :class:`mmstore.RolloutLoader` per step
+(before the live loader, the only way), and what a waiting LiveLoader costs.
+
+Workload (issue 29's): each commit is one training step, a GRPO group of 4 sharing one
+1920x1080 screenshot; ``batch_size=4``, 2 workers, the PIL image processor, no node cache,
+``distinct_images=True`` (the group's image travels once per batch) on both sides.
+A producer process commits a step every ``interval`` seconds; the consumer is already
+waiting for it. Latency = first micro-batch in hand minus the commit's log timestamp (the
+trainer's step start, warm: each trial's first step, which starts workers, is left out).
+The floor is decoding and processing the step's one distinct image once, in this process.
+
+Trials alternate between the two consumers (a fresh run and producer each), so both see the
+same machine. Ratios: ``per_step_over_live_p50`` / ``_p99`` (higher = mmstore better);
+``live_p50_over_floor`` (lower = better: 1 is the floor). ``idle_cpu_percent``: CPU of a
+LiveLoader waiting on an idle store, main process and workers, in % of one core.
+
+Run: ``PYTHONPATH=. .venv/bin/python -m benchmarks.bench_live --scale 1 --reps 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+import mmstore
+from benchmarks._common import processor
+from mmstore.synth import grpo_rollouts, screenshot
+
+GROUP = 4
+WORKERS = 2
+IMAGE = (1920, 1080)
+
+
+def produce(root: str, run: str, steps: int, interval: float) -> None:
+    """Commit ``steps`` steps of ``run``, one every ``interval`` seconds."""
+    store = mmstore.Store.open(root)
+    adapter = mmstore.adapter_for(processor())
+    for step in range(steps):
+        start = time.monotonic()
+        rows = list(
+            grpo_rollouts(
+                store,
+                adapter,
+                groups=1,
+                group_size=GROUP,
+                images_per_sample=1,
+                image_size=IMAGE,
+                seed=step * 7919 + zlib.crc32(run.encode()) % 100_000,  # unlike any other
+            )
+        )
+        time.sleep(max(0.0, interval - (time.monotonic() - start)))
+        with store.writer(run, step) as writer:
+            writer.write_many(rows)
+
+
+def _producer(root: str, run: str, steps: int, interval: float) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "benchmarks.bench_live", "produce", root, run]
+    return subprocess.Popen([*command, str(steps), str(interval)])
+
+
+def _commit_times(store: mmstore.Store, run: str) -> dict[int, float]:
+    """Each step's commit time (its log entry's timestamp, seconds)."""
+    return {
+        f.step: (entry.timestamp_ms or 0) / 1000
+        for entry in store.table.entries_after(-1)
+        for f in entry.added
+        if f.run_id == run
+    }
+
+
+def live_trial(store: mmstore.Store, run: str, steps: int, idle: float) -> dict[str, Any]:
+    firsts = []
+    with mmstore.LiveLoader(
+        store,
+        processor(),
+        runs=[run],
+        batch_size=GROUP,
+        num_workers=WORKERS,
+        node_cache_bytes=0,
+        distinct_images=True,
+    ) as live:
+        for _ in range(steps):
+            batches = live.next_step(timeout=120)
+            next(batches)
+            firsts.append(time.time())
+            for _ in batches:
+                pass
+        cpu = _idle_cpu(live, idle)
+    return {"firsts": firsts, "idle_cpu": cpu}
+
+
+def _idle_cpu(live: mmstore.LiveLoader, seconds: float) -> float:
+    """CPU seconds per second (main process and its workers) while waiting for a step that
+    never comes."""
+    workers = _worker_pids(live)
+    before = _cpu_self(), [_cpu_of(pid) for pid in workers]
+    start = time.monotonic()
+    with contextlib.suppress(mmstore.LiveTimeoutError):
+        live.next_step(timeout=seconds)
+    wall = time.monotonic() - start
+    used = _cpu_self() - before[0]
+    used += sum(_cpu_of(pid) - b for pid, b in zip(workers, before[1], strict=True))
+    return used / wall
+
+
+def _worker_pids(live: mmstore.LiveLoader) -> list[int]:
+    iterator = getattr(live._loader, "_iterator", None)
+    return [w.pid for w in getattr(iterator, "_workers", [])]
+
+
+def _cpu_self() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_step_trial(store: mmstore.Store, run: str, steps: int) -> dict[str, Any]:
+    """Today's way: poll until the step is committed, build a loader, take its batches."""
+    firsts = []
+    for step in range(steps):
+        while True:
+            try:
+                dataset = mmstore.RolloutDataset(
+                    store, processor(), runs=[run], steps=[step], node_cache_bytes=0
+                )
+                break
+            except mmstore.NoMatchError:
+                time.sleep(0.01)
+        loader = mmstore.RolloutLoader(
+            dataset, batch_size=GROUP, num_workers=WORKERS, distinct_images=True
+        )
+        batches = iter(loader)
+        next(batches)
+        firsts.append(time.time())
+        for _ in batches:
+            pass
+        del batches, loader
+    return {"firsts": firsts}
+
+
+def floor_seconds(reps: int = 5) -> float:
+    """Decode and process one 1080p screenshot (PNG), in this process: the least a step's
+    first micro-batch needs after its commit."""
+    buffer = io.BytesIO()
+    screenshot(7, *IMAGE).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    proc = processor()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        proc(images=[image], return_tensors="pt")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _latencies(store: mmstore.Store, run: str, firsts: list[float]) -> list[float]:
+    commits = _commit_times(store, run)
+    return [first - commits[step] for step, first in enumerate(firsts)][1:]  # warm steps
+
+
+def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
+    steps = max(4, int(20 * scale))
+    interval = 0.5
+    idle = max(2.0, 10 * scale)  # /proc counts workers' CPU in 10 ms ticks
+    samples: dict[str, list[float]] = {"live": [], "per_step": []}
+    idle_cpu = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "store")
+        store = mmstore.Store.open(root, create=True)
+        for rep in range(reps):
+            order = ["live", "per_step"] if rep % 2 == 0 else ["per_step", "live"]
+            for mode in order:
+                run_id = f"{mode}-{rep}"
+                producer = _producer(root, run_id, steps, interval)
+                try:
+                    if mode == "live":
+                        trial = live_trial(store, run_id, steps, idle)
+                        idle_cpu.append(trial["idle_cpu"])
+                    else:
+                        trial = per_step_trial(store, run_id, steps)
+                finally:
+                    if producer.wait(timeout=300):
+                        raise RuntimeError("the producer failed")
+                samples[mode] += _latencies(store, run_id, trial["firsts"])
+    floor = floor_seconds()
+    stats = {mode: _summary(values) for mode, values in samples.items()}
+    return {
+        "workload": f"1 group of {GROUP} sharing a {IMAGE[0]}x{IMAGE[1]} screenshot per "
+        f"step, {WORKERS} workers, PIL backend, a commit every {interval} s, {steps} steps "
+        f"x {reps} trials each",
+        "direction": "per_step_over_live_*: higher = mmstore better; live_p50_over_floor: "
+        "lower = better (1 = the floor)",
+        "latency_ms": stats,
+        "floor_ms": round(floor * 1000, 1),
+        "per_step_over_live_p50": stats["per_step"]["p50"] / stats["live"]["p50"],
+        "per_step_over_live_p99": stats["per_step"]["p99"] / stats["live"]["p99"],
+        "live_p50_over_floor": stats["live"]["p50"] / (floor * 1000),
+        "idle_cpu_percent": round(100 * statistics.median(idle_cpu), 3),
+    }
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    ms = np.array(values) * 1000
+    return {
+        "p50": round(float(np.percentile(ms, 50)), 1),
+        "p99": round(float(np.percentile(ms, 99)), 1),
+        "n": len(values),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "produce":
+        produce(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    print(json.dumps(run(args.scale, args.reps), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,611 @@
+"""The live loader: a trainer consumes rollouts as they are committed (asynchronous RL),
+every sample exactly once across restarts, staleness bounded per group.
+
+The parent process follows the table's log (:mod:`mmstore._rows.follow`: one read of the
+next entry per poll, footers and small columns of each new file, never delta-rs in a
+worker), cuts the new rows into groups, decides each step from the groups waiting
+(:mod:`mmstore._planning.live`) and plans its micro-batches (the packed loader's
+:func:`~mmstore._planning.pack.plan_epoch`, one step at a time). Persistent DataLoader workers
+build the micro-batches: each task names the rows it packs, so the workers, their image
+caches and the node cache live as long as the loader, and a step never re-forks workers
+nor re-reads a file the parent already planned from.
+
+A step is consumed when its last micro-batch has been yielded: ``state_dict()`` then
+records the position in commit order after it (:class:`~mmstore._rows.follow.Cursor`), and
+a loader that loads it gives exactly the steps an uninterrupted one would have given.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from mmstore._exceptions import (
+    InvalidArgumentError,
+    LiveTimeoutError,
+    MmstoreError,
+    SampleTooLongError,
+)
+from mmstore._families import Family, adapter_for
+from mmstore._loading.collate import collate, model_input_names
+from mmstore._loading.dataset import (
+    _check_layouts,
+    _node_cache_place,
+    _rank_and_world,
+    _read_ahead_bound,
+    training_dtype,
+)
+from mmstore._loading.materialize import (
+    DEFAULT_CACHE_BYTES,
+    Materialized,
+    MissingPolicy,
+    check_missing_policy,
+)
+from mmstore._loading.microbatch import pack, packed_input_names
+from mmstore._loading.options import flag, optional_whole, whole
+from mmstore._loading.packed import UnitReader
+from mmstore._loading.prefetch import default_requests
+from mmstore._loading.spec import MaterializerSource
+from mmstore._loading.workers import RAISED, check_context, init_worker, inline_small, reraise
+from mmstore._planning.live import UNKNOWN, GroupTooLarge, StepTake, rank_shares, take_step
+from mmstore._planning.pack import budget_for, plan_epoch
+from mmstore._rows.check import Sample
+from mmstore._rows.follow import Cursor, FollowedFile, LogFollower
+from mmstore._rows.snapshot import Snapshot, WorkUnit
+from mmstore._rows.store import Store
+
+STATE_KIND = "mmstore.LiveLoader"
+STATE_VERSION = 1
+# Seconds between reads of the next log entry while a step waits. Locally a change of the
+# log directory wakes the wait at once (see mmstore._rows.follow): the interval only bounds
+# how long a missed notification (a network file system) could delay a commit. On an object
+# store a poll is a GET of the next entry (and a HEAD telling "not there" from a failure):
+# at most 2 requests a second.
+LOCAL_POLL = 0.25
+REMOTE_POLL = 1.0
+LOG_DIRECTORY = "rollouts/_delta_log"
+log = logging.getLogger("mmstore.live")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Rows ``[start, stop)`` of a followed file: one group_id's run (a group)."""
+
+    file: FollowedFile
+    start: int
+    stop: int
+    policy: int  # the oldest policy version of its rows, UNKNOWN if none recorded
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def cursor(self) -> Cursor:
+        return Cursor(self.file.version, self.file.index, self.start)
+
+    def describe(self) -> str:
+        group_id = self.file.facts.columns["group_id"][self.start].as_py()
+        return (
+            f"run {self.file.file.run_id!r} step {self.file.file.step} group {group_id!r} "
+            f"({self.size} samples, policy version {self.policy})"
+        )
+
+
+@dataclass(frozen=True)
+class MicroTask:
+    """One micro-batch for a worker to build: which rows, packed how."""
+
+    step: int
+    micro: int
+    num_micro: int
+    dummy: bool  # add the family's dummy image (another rank's micro-batch has images)
+    rows: tuple[tuple[WorkUnit, int, int], ...]  # (unit, row within it, tokens expected)
+
+
+class _Tasks:
+    """The DataLoader's sampler: the current step's tasks (set before each iteration)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[MicroTask] = []
+
+    def __iter__(self) -> Iterator[MicroTask]:
+        return iter(list(self.tasks))
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+class _MicroBatches(Dataset[dict[str, Any]]):
+    """What a worker runs: a task in, a micro-batch out (errors sent whole, see
+    :func:`~mmstore._loading.workers.reraise`). Its reader and materializer are built in
+    each worker on first use and kept as long as the worker lives."""
+
+    def __init__(
+        self,
+        store: Store,
+        source: MaterializerSource,
+        *,
+        packed: bool,
+        pad_token_id: int | None,
+        distinct_images: bool,
+        dummy_image: bool,
+    ) -> None:
+        self.store = store
+        self.source = source
+        self.packed = packed
+        self.pad_token_id = pad_token_id
+        self.distinct_images = distinct_images
+        self.dummy_image = dummy_image
+        self._reader: UnitReader | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_reader": None}
+
+    def __getitem__(self, task: MicroTask) -> dict[str, Any]:
+        try:
+            batch = self._build(task)
+            # Small tensors travel inside the pickle from a worker (see inline_small).
+            return batch if get_worker_info() is None else inline_small(batch)
+        except MmstoreError as exc:
+            return {RAISED: exc}
+
+    def _build(self, task: MicroTask) -> dict[str, Any]:
+        if self._reader is None:
+            self._reader = UnitReader(self.store, self.source)
+        samples = [self._reader.sample(unit, i, n) for unit, i, n in task.rows]
+        family, dtype = self.source.adapter, self.source.dtype
+        if self.packed:
+            batch = pack(
+                samples,
+                family,
+                add_dummy=task.dummy,
+                dtype=dtype,
+                pad_token_id=self.pad_token_id,
+                distinct_images=self.distinct_images,
+            )
+        else:
+            batch = collate(
+                samples or [_filler(family, self.pad_token_id)],
+                family,
+                pad_token_id=self.pad_token_id,
+                dummy_image=self.dummy_image,
+                dtype=dtype,
+                distinct_images=self.distinct_images,
+            )
+            batch["is_filler"] = torch.tensor([False] * len(samples) or [True])
+        batch.update(step=task.step, micro=task.micro, num_micro=task.num_micro)
+        return batch
+
+
+def _filler(family: Family, pad_token_id: int | None) -> Materialized:
+    """A one-token, zero-loss row: a rank whose share of a padded step is empty still runs
+    its forward and backward passes in lock-step."""
+    pad = family.layout.pad_token_id if pad_token_id is None else pad_token_id
+    return Sample(
+        sample_id="",
+        group_id=None,
+        input_ids=torch.tensor([pad]),
+        loss_mask=torch.zeros(1, dtype=torch.bool),
+        logprobs=None,
+        prompt_len=0,
+        reward=0.0,
+        advantage=0.0,
+        images=[],
+    )
+
+
+class LiveLoader:
+    """Follows runs of a store as they are written and yields each training step's
+    micro-batches once its rollouts are committed: every sample exactly once, in commit
+    order, across restarts of either side; groups never split; staleness bounded.
+
+    ``for mb in live.next_step(policy_version=step, timeout=600): ...``, then save
+    ``live.state_dict()`` with the checkpoint. See ``docs/live.md``.
+
+    Args:
+        store: the :class:`Store` to follow.
+        image_processor: as for :class:`RolloutDataset`.
+
+    What a step holds:
+        runs: the run id(s) to follow; they need not exist yet.
+        batch_size: samples per rank per step; a step is the next ``batch_size x
+            world_size`` samples in commit order that no earlier step took, whole groups
+            only (a group that would overflow waits, and the step is smaller).
+        max_tokens: pack each step into micro-batches of at most this many tokens (the same
+            number of micro-batches on every rank); ``None``: one padded batch per rank.
+        max_staleness: a group generated by a policy older than ``policy_version -
+            max_staleness`` is not trained (counted in :meth:`stats`, on each batch, and
+            named in the ``mmstore.live`` debug log). ``None``: no bound.
+        rank, world_size: as for :class:`RolloutDataset` (from ``torch.distributed`` when
+            initialized). Ranks compute each step from the log alone, without talking.
+
+    Materialization and caches: ``dtype``, ``missing``, ``max_len``, ``cache_bytes``,
+    ``node_cache_bytes``, ``node_cache_dir``, ``prefetch_requests``, ``prefetch_bytes`` as
+    for :class:`RolloutDataset`; ``pad_token_id``, ``distinct_images``, ``dummy_image``
+    (padded only) as for :class:`RolloutLoader`.
+
+    Workers: ``num_workers`` persistent DataLoader workers (0: build in this process),
+    ``prefetch_factor``, ``multiprocessing_context``. ``poll_interval``: seconds between
+    reads of the next log entry while waiting (default: 0.25 s locally, where a new entry
+    also wakes the wait at once; 1 s on S3, at most 2 requests a second).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        image_processor: Any,
+        *,
+        # what a step holds
+        runs: str | Iterable[str],
+        batch_size: int,
+        max_tokens: int | None = None,
+        max_staleness: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        # materialization
+        dtype: torch.dtype | str = torch.bfloat16,
+        missing: MissingPolicy = "error",
+        max_len: int | None = None,
+        pad_token_id: int | None = None,
+        distinct_images: bool = False,
+        dummy_image: bool = False,
+        # caches and read-ahead
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        node_cache_bytes: int | None = None,
+        node_cache_dir: str | None = None,
+        prefetch_requests: int | None = None,
+        prefetch_bytes: int | None = None,
+        # workers and waiting
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: Any = None,
+        poll_interval: float | None = None,
+    ) -> None:
+        check_missing_policy(missing)
+        self.store = store
+        self.batch_size = whole("batch_size", batch_size, minimum=1)
+        self.max_tokens = optional_whole("max_tokens", max_tokens, minimum=1)
+        self.max_staleness = optional_whole("max_staleness", max_staleness, minimum=0)
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.max_len = optional_whole("max_len", max_len, minimum=1)
+        self.num_workers = whole("num_workers", num_workers, minimum=0)
+        if not self.num_workers and (prefetch_factor is not None or multiprocessing_context):
+            raise InvalidArgumentError(
+                "prefetch_factor and multiprocessing_context apply to workers: set num_workers"
+            )
+        self.prefetch_factor = optional_whole("prefetch_factor", prefetch_factor, minimum=1)
+        self.multiprocessing_context = check_context(multiprocessing_context)
+        if dummy_image and self.max_tokens is not None:
+            raise InvalidArgumentError(
+                "dummy_image applies to padded batches; packed micro-batches add the dummy "
+                "image where another rank's micro-batch has images"
+            )
+        self.adapter = adapter_for(image_processor)
+        dtype = training_dtype(dtype)
+        node_dir, node_bytes = _node_cache_place(node_cache_dir, node_cache_bytes)
+        prefetch_requests = optional_whole("prefetch_requests", prefetch_requests, minimum=0)
+        source = MaterializerSource(
+            store,
+            self.adapter,
+            dtype=dtype,
+            missing=missing,
+            max_len=self.max_len,
+            cache_bytes=whole("cache_bytes", cache_bytes, minimum=0),
+            node_cache_dir=node_dir,
+            node_cache_bytes=node_bytes,
+            prefetch_requests=prefetch_requests,
+            prefetch_bytes=_read_ahead_bound(store, prefetch_requests, prefetch_bytes),
+        )
+        self._work = _MicroBatches(
+            store,
+            source,
+            packed=self.max_tokens is not None,
+            pad_token_id=optional_whole("pad_token_id", pad_token_id, minimum=0),
+            distinct_images=flag("distinct_images", distinct_images),
+            dummy_image=flag("dummy_image", dummy_image),
+        )
+        self._local = not default_requests(store)  # object stores read ahead by default
+        if poll_interval is None:
+            poll_interval = LOCAL_POLL if self._local else REMOTE_POLL
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float):
+            raise InvalidArgumentError(f"poll_interval must be seconds, got {poll_interval!r}")
+        if not 0 < poll_interval <= 60:
+            raise InvalidArgumentError(f"poll_interval must be in (0, 60], got {poll_interval}")
+        self.poll_interval = float(poll_interval)
+        self._runs = [runs] if isinstance(runs, str) else list(runs)
+        self._budget = None
+        if self.max_tokens is not None:
+            dummy = self.adapter.num_tokens(*self.adapter.dummy_size)
+            if self.max_tokens <= dummy:
+                raise InvalidArgumentError(
+                    f"max_tokens={self.max_tokens} leaves no room beside the {dummy}-token "
+                    "dummy image"
+                )
+            # Room for the dummy image kept in every micro-batch: a step's images are not
+            # known before it is planned, and the budget must not change from step to step.
+            self._budget = budget_for(self.max_tokens, dummy, any_images=True)
+        self._tasks = _Tasks()
+        self._loader: DataLoader[dict[str, Any]] | None = None
+        self._start(Cursor(0, 0, 0), step=0, stats=_new_stats())
+
+    @property
+    def model_input_names(self) -> tuple[str, ...]:
+        """The batch keys the model's ``forward`` takes (as ``RolloutLoader``'s)."""
+        if self.max_tokens is not None:
+            return packed_input_names(self.adapter)
+        return model_input_names(self.adapter)
+
+    # -- position ------------------------------------------------------------------------
+
+    def _start(self, cursor: Cursor, *, step: int, stats: dict[str, int]) -> None:
+        self._follower = LogFollower(self.store, self._runs, start=cursor, max_len=self.max_len)
+        self._waiting: list[_Group] = []
+        self.step = step
+        self._stats = stats
+
+    @property
+    def cursor(self) -> Cursor:
+        """The first position in commit order no step has consumed."""
+        if self._waiting:
+            return self._waiting[0].cursor
+        return Cursor(self._follower.version + 1, 0, 0)
+
+    def stats(self) -> dict[str, int]:
+        """Counts since the run began (restored from a state): steps, samples trained (all
+        ranks), stale groups and samples not trained, groups waiting now."""
+        return {**self._stats, "waiting_groups": len(self._waiting)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands after the last completed step: load it into a new loader to
+        continue exactly there. The same on every rank (any rank's state resumes any)."""
+        return {
+            "kind": STATE_KIND,
+            "version": STATE_VERSION,
+            "step": self.step,
+            "cursor": self.cursor.as_list(),
+            **self._settings(),
+            "stats": dict(self._stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` was taken (any ``num_workers``; the same settings)."""
+        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+            raise InvalidArgumentError("not a LiveLoader state (RolloutLoader states differ)")
+        if state.get("version") != STATE_VERSION:
+            raise InvalidArgumentError(
+                f"LiveLoader state version {state.get('version')!r} is not supported"
+            )
+        differ = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
+        if differ:
+            raise InvalidArgumentError(
+                "LiveLoader state was taken with other settings (saved, current): "
+                + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
+            )
+        stats = state.get("stats")
+        if not isinstance(stats, dict) or set(stats) != set(_new_stats()):
+            raise InvalidArgumentError("LiveLoader state has no valid stats")
+        step = whole("step", state.get("step"), minimum=0)
+        cursor = Cursor.from_state(state.get("cursor"))
+        self._follower.close()
+        self._start(cursor, step=step, stats=dict(stats))
+
+    def _settings(self) -> dict[str, Any]:
+        """What decides each step's samples and micro-batches (a state must agree)."""
+        return {
+            "runs": sorted(self._runs),
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "max_tokens": self.max_tokens,
+            "max_staleness": self.max_staleness,
+            "max_len": self.max_len,
+        }
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def next_step(
+        self, policy_version: int | None = None, *, timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Wait until step :attr:`step` is complete (or raise :class:`LiveTimeoutError`
+        after ``timeout`` seconds, consuming nothing), then return its micro-batches for
+        this rank. The step counts as consumed once the last one has been yielded.
+
+        ``policy_version``: the policy this step trains (bounds staleness with
+        ``max_staleness``; None: no group is stale).
+        """
+        if policy_version is not None:
+            policy_version = whole("policy_version", policy_version, minimum=0)
+        oldest = None
+        if self.max_staleness is not None and policy_version is not None:
+            oldest = policy_version - self.max_staleness
+        take = self._wait(oldest, timeout)
+        return self._yield_step(take, policy_version)
+
+    def _wait(self, oldest: int | None, timeout: float | None) -> StepTake:
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        if self._local:  # (again after close)
+            self._follower.watch(self.store.backend.abspath(LOG_DIRECTORY))
+        while True:
+            self._follow()
+            take = self._take(oldest)
+            if take is not None:
+                return take
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                waiting = sum(g.size for g in self._waiting)
+                raise LiveTimeoutError(
+                    f"step {self.step} not complete after {timeout} s: {waiting} sample(s) "
+                    f"waiting, a step takes {self._target} (runs {sorted(self._runs)}, read "
+                    f"up to table version {self._follower.version})",
+                    runs=sorted(self._runs),
+                    step=self.step,
+                )
+            self._follower.wait(
+                self.poll_interval if left is None else min(self.poll_interval, left)
+            )
+
+    @property
+    def _target(self) -> int:
+        return self.batch_size * self.world_size
+
+    def _follow(self) -> None:
+        """Add the groups of every file committed to the followed runs since last time."""
+        for followed in self._follower.poll():
+            snapshot = Snapshot((followed.file.path,), followed.units, followed.version)
+            _check_layouts(self.store, self.adapter, snapshot)
+            self._waiting.extend(_groups_of(followed))
+
+    def _take(self, oldest: int | None) -> StepTake | None:
+        sizes = np.fromiter((g.size for g in self._waiting), np.int64, len(self._waiting))
+        policies = np.fromiter((g.policy for g in self._waiting), np.int64, len(self._waiting))
+        try:
+            return take_step(sizes, policies, target=self._target, oldest=oldest)
+        except GroupTooLarge as exc:
+            group = self._waiting[exc.index]
+            raise InvalidArgumentError(
+                f"{group.describe()} holds more samples than a step takes ({self._target} = "
+                "batch_size x world_size): groups are never split; raise batch_size",
+                file=group.file.file.path,
+                run_id=group.file.file.run_id,
+                step=group.file.file.step,
+            ) from None
+
+    def _yield_step(self, take: StepTake, policy_version: int | None) -> Iterator[dict[str, Any]]:
+        groups = [self._waiting[i] for i in take.trained]
+        stale = [self._waiting[i] for i in take.stale]
+        stale_samples = sum(g.size for g in stale)
+        for group in stale:
+            log.debug("step %d: not trained, stale: %s", self.step, group.describe())
+        self._tasks.tasks = self._plan(groups)
+        loader = self._dataloader()
+        for built in loader:
+            reraise(built)
+            if built["images_missing"]:
+                warnings.warn(
+                    f"{built['images_missing']} sample(s) had missing media, replaced by "
+                    f"zero-loss placeholders: {built['missing_uris']}",
+                    stacklevel=2,
+                )
+            built.update(
+                policy_version=policy_version, stale_groups=len(stale), stale_samples=stale_samples
+            )
+            yield built
+        # Every micro-batch of the step was handed over: it is consumed.
+        del self._waiting[: take.consumed]
+        self.step += 1
+        self._stats["steps"] += 1
+        self._stats["samples"] += sum(g.size for g in groups)
+        self._stats["stale_groups"] += len(stale)
+        self._stats["stale_samples"] += stale_samples
+
+    def _plan(self, groups: list[_Group]) -> list[MicroTask]:
+        """This rank's micro-batches of a step of ``groups``."""
+        rows = [(g.file, r) for g in groups for r in range(g.start, g.stop)]
+        lengths = np.array([f.facts.lengths[r] for f, r in rows], dtype=np.int64)
+        located = [(*f.locate(r), int(n)) for (f, r), n in zip(rows, lengths, strict=True)]
+        if self._budget is None:
+            share = rank_shares(len(rows), self.world_size)[self.rank]
+            return [MicroTask(self.step, 0, 1, False, tuple(located[i] for i in share))]
+        self._refuse_too_long(rows, lengths)
+        images = np.array([f.facts.images[r] > 0 for f, r in rows], dtype=bool)
+        plan = plan_epoch(
+            lengths,
+            images,
+            batch_size=self.batch_size,
+            world_size=self.world_size,
+            budget=self._budget,
+        ).for_rank(self.rank)
+        return [
+            MicroTask(
+                self.step,
+                int(plan.micro[i]),
+                int(plan.num_micro[i]),
+                bool(plan.dummy[i]),
+                tuple(located[int(p)] for p in plan.samples(i)),
+            )
+            for i in range(len(plan))
+        ]
+
+    def _refuse_too_long(self, rows: list[tuple[FollowedFile, int]], lengths: np.ndarray) -> None:
+        assert self._budget is not None
+        too_long = np.flatnonzero(lengths > self._budget)
+        if not len(too_long):
+            return
+        followed, row = rows[int(too_long[0])]
+        reserve = self.max_tokens - self._budget if self.max_tokens else 0
+        raise SampleTooLongError(
+            f"sample of {int(lengths[too_long[0]])} tokens exceeds max_tokens={self.max_tokens}"
+            + (f" less the {reserve}-token dummy image" if reserve else "")
+            + f"; set max_len <= {self._budget} to truncate (whole images kept) or raise "
+            "max_tokens",
+            file=followed.file.path,
+            run_id=followed.file.run_id,
+            step=followed.file.step,
+            sample_id=followed.sample_ids[row].as_py(),
+        )
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _dataloader(self) -> DataLoader[dict[str, Any]]:
+        """One DataLoader for the loader's life: its workers persist across steps."""
+        if self._loader is None:
+            workers = self.num_workers
+            self._loader = DataLoader(
+                self._work,
+                batch_size=None,
+                sampler=self._tasks,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+                prefetch_factor=self.prefetch_factor if workers else None,
+                multiprocessing_context=self.multiprocessing_context if workers else None,
+                worker_init_fn=functools.partial(init_worker, 1),
+            )
+        return self._loader
+
+    def close(self) -> None:
+        """Stop the workers (a later step starts new ones) and the log watch."""
+        self._follower.close()
+        loader, self._loader = self._loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+    def __enter__(self) -> LiveLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 - at interpreter exit even contextlib may be gone
+            self.close()
+        except Exception:
+            pass
+
+
+def _groups_of(followed: FollowedFile) -> list[_Group]:
+    """``followed``'s rows from its first row on, cut into groups (runs of one group_id)."""
+    facts = followed.facts
+    n = len(facts.lengths)
+    starts = np.flatnonzero(facts.block_start)
+    starts = np.union1d(starts[starts >= followed.first_row], [followed.first_row])
+    bounds = np.append(starts[starts < n], n)
+    policies = followed.policy_versions(UNKNOWN)
+    groups = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        known = policies[lo:hi][policies[lo:hi] != UNKNOWN]
+        groups.append(_Group(followed, lo, hi, int(known.min()) if len(known) else UNKNOWN))
+    return groups
+
+
+def _new_stats() -> dict[str, int]:
+    return {"steps": 0, "samples": 0, "stale_groups": 0, "stale_samples": 0}

@@ -1,0 +1,191 @@
+"""Following the rollouts table's log as commits arrive: the files each new version adds to
+the followed runs, with their rows' planning facts, in commit order.
+
+Reads log entries one by one (one read of the next entry per poll, never a listing) and
+each new file's footer and small columns; no delta-rs call, so it is safe in any process.
+Between polls a follower of a local store sleeps until an entry appears in the log directory
+(inotify: no CPU while idle, a commit seen at once); of an object store, for its poll
+interval.
+A position in commit order is a :class:`Cursor`: (table version, index of the file among
+the version's adds, row within the file).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mmstore._exceptions import InvalidArgumentError
+from mmstore._rows.files import check_run_id
+from mmstore._rows.lengths import FileFacts, read_file_facts
+from mmstore._rows.snapshot import WorkUnit, file_units
+from mmstore._rows.table import LogEntry, TableFile
+from mmstore._rows.versions import table_of
+from mmstore._rows.writer import check_partition
+from mmstore._storage.store import Storage
+
+# Per-row columns a follower reads beside the planning facts.
+FOLLOWED_COLUMNS = ("sample_id", "group_id", "policy_version")
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    """A position in commit order: row ``row`` of the ``index``-th file version ``version``
+    added. ``Cursor(v, 0, 0)`` is the start of version ``v``."""
+
+    version: int
+    index: int
+    row: int
+
+    def as_list(self) -> list[int]:
+        return [self.version, self.index, self.row]
+
+    @classmethod
+    def from_state(cls, value: object) -> Cursor:
+        if (
+            not isinstance(value, list | tuple)
+            or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        ):
+            raise InvalidArgumentError(f"live loader state has an invalid cursor {value!r}")
+        return cls(*value)
+
+
+@dataclass(frozen=True)
+class FollowedFile:
+    """One file a commit added to a followed run, and its rows' facts (rows from
+    ``first_row`` on: a resumed cursor may start inside a file)."""
+
+    version: int
+    index: int
+    file: TableFile
+    units: tuple[WorkUnit, ...]
+    facts: FileFacts
+    first_row: int = 0
+
+    @property
+    def sample_ids(self) -> pa.ChunkedArray:
+        return self.facts.columns["sample_id"]
+
+    def policy_versions(self, unknown: int) -> np.ndarray:
+        """Each row's policy version, ``unknown`` where none is recorded."""
+        column = self.facts.columns["policy_version"]
+        return column.fill_null(unknown).to_numpy().astype(np.int64)
+
+    def locate(self, row: int) -> tuple[WorkUnit, int]:
+        """The work unit (row group) of file row ``row``, and the row's index within it."""
+        starts = self.facts.row_starts
+        group = int(np.searchsorted(starts, row, side="right")) - 1
+        unit = next(u for u in self.units if u.row_group == group)
+        return unit, row - int(starts[group])
+
+
+class LogFollower:
+    """The files of ``runs`` committed after a cursor, read as new log entries arrive."""
+
+    def __init__(
+        self, store: Storage, runs: Iterable[str], *, start: Cursor, max_len: int | None
+    ) -> None:
+        runs = [runs] if isinstance(runs, str) else list(runs)
+        if not runs:
+            raise InvalidArgumentError("runs must name at least one run to follow")
+        for run in runs:
+            check_partition(run, 0)
+        self.store = store
+        self.runs = frozenset(runs)
+        self.max_len = max_len
+        self.start = start
+        # The last version whose entry has been read (its files handed over).
+        self.version = start.version - 1
+        self._watch: _LogWatch | None = None
+        self._first_poll = True
+
+    def watch(self, directory: str | None) -> None:
+        """Wake waits when an entry appears in ``directory`` (the local log), where inotify
+        is there; elsewhere (an object store, another OS) waits sleep."""
+        if directory is not None and self._watch is None:
+            self._watch = _LogWatch.start(directory)
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the log changes meanwhile (a local store's)."""
+        if self._watch is None:
+            time.sleep(seconds)
+        else:
+            self._watch.wait(seconds)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def poll(self) -> list[FollowedFile]:
+        # A change from here on wakes the next wait (one before is read by this poll).
+        if self._watch is not None:
+            self._watch.drain()
+        """The followed files of every version committed since the last poll (one read of
+        each new entry, and one of the next, absent entry)."""
+        found: list[FollowedFile] = []
+        table = table_of(self.store)
+        # Whether the start was cleaned up below a checkpoint is asked once: later polls of a
+        # version not there yet are one read each (one request on an object store).
+        check = self._first_poll
+        self._first_poll = False
+        while (entry := table.log_entry(self.version + 1, check_cleaned=check)) is not None:
+            found.extend(self._files_of(entry))  # all of an entry, or an error and none
+            self.version = entry.version
+        return found
+
+    def _files_of(self, entry: LogEntry) -> list[FollowedFile]:
+        files = []
+        for index, file in enumerate(entry.added):
+            if file.run_id not in self.runs:
+                continue
+            first_row = 0
+            if entry.version == self.start.version:
+                if index < self.start.index:
+                    continue
+                if index == self.start.index:
+                    first_row = self.start.row
+            check_run_id(file)  # its path must name the run the log says
+            facts = read_file_facts(self.store, file.path, self.max_len, FOLLOWED_COLUMNS)
+            units = tuple(file_units(self.store, file.path, facts.meta))
+            files.append(FollowedFile(entry.version, index, file, units, facts, first_row))
+        return files
+
+
+class _LogWatch:
+    """Wakes a waiting follower when an entry appears in a local log directory: inotify
+    (through ``inotify_simple``) on the directory, read with a timeout (a blocking ``poll``
+    system call: no CPU while nothing happens)."""
+
+    def __init__(self, inotify: Any) -> None:
+        self.inotify = inotify
+
+    @classmethod
+    def start(cls, directory: str) -> _LogWatch | None:
+        try:
+            from inotify_simple import INotify, flags
+        except ImportError:  # not Linux, or not installed: waits sleep, polls find commits
+            return None
+        try:
+            inotify = INotify()
+            # A commit's entry is renamed (delta-rs) or linked (mmstore) into the directory.
+            inotify.add_watch(directory, flags.CREATE | flags.MOVED_TO)
+        except OSError:  # no such directory yet, or out of inotify watches: poll
+            return None
+        return cls(inotify)
+
+    def drain(self) -> None:
+        """Forget changes so far (the poll that follows reads them)."""
+        self.inotify.read(timeout=0)
+
+    def wait(self, seconds: float) -> None:
+        self.inotify.read(timeout=max(0, int(seconds * 1000)))
+
+    def close(self) -> None:
+        self.inotify.close()

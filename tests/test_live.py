@@ -1,0 +1,436 @@
+"""The live loader: steps from the commit log as it grows, exactly once across SIGKILL,
+groups whole, staleness bounded and counted, ranks disjoint without talking."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mmstore
+from mmstore._planning.live import UNKNOWN, GroupTooLarge, take_step
+from mmstore._rows.table import TABLE_SCHEMA
+from tests import live_workers
+from tests.live_workers import BATCH_SIZE, RUN, commit_plan, commit_rows, live_loader, train
+
+HERE = Path(__file__).resolve().parent
+
+
+def _commit_order(store: mmstore.Store, runs: set[str]) -> list[str]:
+    """Sample ids of ``runs`` in commit order: log version, file, row."""
+    ids = []
+    for entry in store.table.entries_after(-1):
+        for file in entry.added:
+            if file.run_id in runs:
+                table = pq.read_table(store.backend.abspath(file.path), columns=["sample_id"])
+                ids += table.column(0).to_pylist()
+    return ids
+
+
+def _write(store, adapter, plan):
+    return [sid for commit in plan for sid in commit_rows(store, adapter, commit)]
+
+
+# -- the step rule, as a pure function --------------------------------------------------
+
+
+def test_take_step_fills_whole_groups_and_waits_for_more():
+    sizes, unknown = np.array([3, 3, 2, 4]), np.full(4, UNKNOWN)
+    # 3 + 3 = 6; the next group of 2 would fit (8), then 4 would overflow: waits.
+    take = take_step(sizes, unknown, target=8, oldest=None)
+    assert (take.consumed, take.trained, take.stale) == (3, (0, 1, 2), ())
+    # 3 + 3, then 4 overflows 8: the step is complete at 6 and the group of 4 waits.
+    take = take_step(np.array([3, 3, 4]), np.full(3, UNKNOWN), target=8, oldest=None)
+    assert (take.consumed, take.trained) == (2, (0, 1))
+    # Not enough committed yet, and nothing that proves the step complete: wait.
+    assert take_step(np.array([3, 3]), np.full(2, UNKNOWN), target=8, oldest=None) is None
+    assert take_step(np.array([], np.int64), np.array([], np.int64), target=8, oldest=0) is None
+    with pytest.raises(GroupTooLarge) as err:
+        take_step(np.array([2, 9]), np.full(2, UNKNOWN), target=8, oldest=None)
+    assert (err.value.index, err.value.size) == (1, 9)
+
+
+def test_take_step_drops_stale_groups_and_never_unknown_ones():
+    sizes = np.array([2, 2, 2, 2, 2])
+    policies = np.array([1, UNKNOWN, 3, 0, 5])
+    take = take_step(sizes, policies, target=4, oldest=3)
+    # group 0 (policy 1) is stale; 1 (unknown) and 2 (3 = oldest) are trained: 4 samples.
+    assert (take.consumed, take.trained, take.stale) == (3, (1, 2), (0,))
+    take = take_step(sizes[3:], policies[3:], target=4, oldest=3)
+    assert take is None  # policy 0 stale, then only 2 fresh samples: wait
+    take = take_step(sizes[3:], policies[3:], target=2, oldest=3)
+    assert (take.consumed, take.trained, take.stale) == (2, (1,), (0,))
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+def test_live_steps_in_commit_order_packed_and_padded(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    _write(store, adapter, commit_plan(1, 10, other_every=3))
+    order = _commit_order(store, {RUN})
+    for options in ({}, {"max_tokens": None}):
+        live = live_loader(store, max_staleness=None, **options)
+        trained = []
+        while True:
+            try:
+                step = live.next_step(timeout=0)
+            except mmstore.LiveTimeoutError:
+                break
+            for batch in step:
+                ids = live_workers.micro_record(batch)[3]
+                assert batch["num_micro"] >= 1 and batch["step"] == live.step
+                trained.append(ids)
+        flat = [s for ids in trained for s in ids]
+        # Packed micro-batches reorder within a step; the steps are commit-order prefixes.
+        assert sorted(flat) == sorted(order[: len(flat)]) and len(set(flat)) == len(flat)
+        assert len(order) - len(flat) < BATCH_SIZE  # only an incomplete last step waits
+        assert live.stats()["samples"] == len(flat)
+        if options:  # padded: one batch per step, rows in commit order
+            assert flat == order[: len(flat)]
+        live.close()
+
+
+def test_groups_are_never_split_and_a_step_may_be_smaller(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    plan = [
+        {"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [{"size": 3, "image": True}]},
+        {"run": RUN, "seq": 1, "policy": 0, "delay": 0, "groups": [{"size": 2, "image": False}]},
+        {"run": RUN, "seq": 2, "policy": 0, "delay": 0, "groups": [{"size": 4, "image": True}]},
+    ]
+    _write(store, adapter, plan)
+    live = live_loader(store, max_tokens=None)
+    steps = [[b["sample_ids"] for b in live.next_step(timeout=5)] for _ in range(2)]
+    # 3 then 2 would overflow 4: step 0 is the group of 3 alone; step 1 the 2, then the 4
+    # waits (2 + 4 > 4): step 1 is the group of 2.
+    assert steps == [[["c0-g0-0", "c0-g0-1", "c0-g0-2"]], [["c1-g0-0", "c1-g0-1"]]]
+    assert [b["sample_ids"] for b in live.next_step(timeout=5)] == [
+        [f"c2-g0-{k}" for k in range(4)]
+    ]
+    _write(store, adapter, [{**plan[0], "seq": 3, "groups": [{"size": 5, "image": False}]}])
+    with pytest.raises(mmstore.InvalidArgumentError, match="never split") as err:
+        live.next_step(timeout=5)
+    assert err.value.run_id == RUN and err.value.step == 3
+
+
+def test_timeout_consumes_nothing_and_waiting_goes_on(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    group = {"size": 2, "image": False}
+    first = {"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [group]}
+    live = live_loader(store, max_tokens=None)  # the run does not exist yet
+    with pytest.raises(mmstore.LiveTimeoutError) as err:
+        live.next_step(timeout=0.05)
+    assert err.value.step == 0 and isinstance(err.value, TimeoutError)
+    _write(store, adapter, [first])  # half a step
+    with pytest.raises(mmstore.LiveTimeoutError, match="2 sample"):
+        live.next_step(timeout=0.05)
+    state = live.state_dict()
+    assert state["step"] == 0 and state["cursor"][:2] == [1, 0]  # nothing consumed
+    _write(store, adapter, [{**first, "seq": 1}])
+    (batch,) = live.next_step(timeout=5)
+    assert batch["sample_ids"] == ["c0-g0-0", "c0-g0-1", "c1-g0-0", "c1-g0-1"]
+    assert live.step == 1 and live.stats()["samples"] == 4
+
+
+def test_an_abandoned_step_is_not_consumed(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    _write(store, adapter, commit_plan(3, 6, other_every=0))
+    live = live_loader(store, max_tokens=64 * 4)  # several micro-batches a step
+    it = live.next_step(timeout=5)
+    first = next(it)
+    del it  # the trainer stopped mid-step (an exception, a preemption)
+    assert live.step == 0
+    again = list(live.next_step(timeout=5))
+    assert live_workers.micro_record(again[0]) == live_workers.micro_record(first)
+    assert live.step == 1
+
+
+def test_staleness_drops_exactly_the_old_groups_and_counts_them(tmp_path, small_processor, caplog):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    plan = [
+        {"run": RUN, "seq": c, "policy": p, "delay": 0, "groups": [{"size": 2, "image": False}]}
+        for c, p in enumerate([0, 5, 1, 6, 7, 2, 8])
+    ]
+    _write(store, adapter, plan)
+    # Rows that record no policy version: unknown, never stale.
+    with store.writer(RUN, 99) as w:
+        w.write_many(
+            [live_workers.make_row(adapter, [], f"old-{k}", group_id="o") for k in range(2)]
+        )
+    live = live_loader(store, max_tokens=None, max_staleness=2)
+    caplog.set_level(logging.DEBUG, logger="mmstore.live")
+    (a,) = live.next_step(policy_version=7, timeout=5)  # oldest allowed: 5
+    assert a["sample_ids"] == ["c1-g0-0", "c1-g0-1", "c3-g0-0", "c3-g0-1"]
+    assert (a["stale_groups"], a["stale_samples"], a["policy_version"]) == (2, 4, 7)
+    (b,) = live.next_step(policy_version=7, timeout=5)
+    assert b["sample_ids"] == ["c4-g0-0", "c4-g0-1", "c6-g0-0", "c6-g0-1"]  # c5: policy 2
+    assert (b["stale_groups"], b["stale_samples"]) == (1, 2)
+    stats = live.stats()
+    assert (stats["stale_groups"], stats["stale_samples"], stats["samples"]) == (3, 6, 8)
+    named = [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+    assert len(named) == 3 and all("policy version" in m for m in named)
+    assert "step 0" in named[0] and "policy version 0" in named[0]
+    # Only the policy-less group is left: half a step, never stale.
+    with pytest.raises(mmstore.LiveTimeoutError, match="2 sample"):
+        live.next_step(policy_version=1000, timeout=0)
+
+
+def test_state_resumes_in_a_new_loader_and_refuses_other_settings(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    _write(store, adapter, commit_plan(4, 12))
+    reference = live_loader(store)
+    whole = train(reference, 6)
+    first = live_loader(store)
+    head = train(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    second = live_loader(store, num_workers=2)
+    second.load_state_dict(state)
+    assert head + train(second, 6) == whole
+    assert second.stats() == reference.stats()
+    second.close()
+    with pytest.raises(mmstore.InvalidArgumentError, match="batch_size=4/8"):
+        live_loader(store, batch_size=8).load_state_dict(state)
+    with pytest.raises(mmstore.InvalidArgumentError, match="cursor"):
+        live_loader(store).load_state_dict({**state, "cursor": [1, -1, 0]})
+    with pytest.raises(mmstore.InvalidArgumentError, match="not a LiveLoader state"):
+        live_loader(store).load_state_dict({"version": 2, "epoch": 0})
+
+
+def test_a_file_laid_out_for_another_processor_is_refused_by_name(tmp_path, small_processor):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    other = mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=128 * 28 * 28))
+    plan = [{"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [{"size": 4, "image": True}]}]
+    _write(store, other, plan)
+    with pytest.raises(mmstore.LayoutMismatchError) as err:
+        live_loader(store).next_step(timeout=5)
+    assert err.value.runs == [RUN]
+
+
+def test_policy_version_is_a_column_every_reader_sees(tmp_path, small_processor, capsys):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    plan = [
+        {"run": RUN, "seq": 0, "policy": 7, "delay": 0, "groups": [{"size": 2, "image": False}]}
+    ]
+    _write(store, adapter, plan)
+    with pytest.raises(mmstore.InvalidRolloutError, match="policy_version"):
+        mmstore.Rollout(**{**store.rollouts(RUN)[0].model_dump(), "policy_version": -1})
+    assert [r.policy_version for r in store.rollouts(RUN)] == [7, 7]
+    frame = mmstore.debug.scan(store).select("policy_version").collect()
+    assert frame["policy_version"].to_list() == [7, 7]
+    from mmstore import cli
+
+    assert cli.main(["inspect", str(tmp_path / "s"), "--sample", "c0-g0-1"]) == 0
+    assert "policy version 7" in capsys.readouterr().out
+    from deltalake import DeltaTable
+
+    delta = DeltaTable(str(tmp_path / "s" / "rollouts")).to_pyarrow_table()
+    assert delta.column("policy_version").to_pylist() == [7, 7]
+
+
+def test_a_table_made_before_the_column_gets_it_on_the_next_write(tmp_path, small_processor):
+    from deltalake import DeltaTable, Schema
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    uri = str(tmp_path / "s" / "rollouts")
+    # Rebuild the table as the previous release made it: no policy_version column.
+    shutil.rmtree(uri)
+    old = pa.schema([f for f in TABLE_SCHEMA if f.name != "policy_version"])
+    DeltaTable.create(uri, Schema.from_arrow(old), partition_by=["run_id", "step"])
+    store = mmstore.Store.open(tmp_path / "s")
+    plan = [
+        {"run": RUN, "seq": 0, "policy": 3, "delay": 0, "groups": [{"size": 2, "image": False}]}
+    ]
+    _write(store, adapter, plan)
+    assert DeltaTable(uri).to_pyarrow_table().column("policy_version").to_pylist() == [3, 3]
+
+
+def test_in_flight_samples_survive_a_restart_as_a_pinned_run(tmp_path, small_processor):
+    """The recipe of docs/live.md: finished-but-unconsumed samples are committed to a run
+    the trainer does not follow, pinned with the checkpoint; a teardown's gc keeps them and
+    their media; after the restart they are read back, committed where the trainer reads,
+    and trained exactly once."""
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    group = {"size": 2, "image": True}
+    _write(store, adapter, [{"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [group]}])
+    pending = [{"run": "pending-ckpt-0", "seq": 1, "policy": 0, "delay": 0, "groups": [group]}]
+    held = _write(store, adapter, pending)
+    mmstore.pin_rows(store, "ckpt-0", runs=["pending-ckpt-0"])
+    with pytest.raises(mmstore.PinnedRowsError):
+        mmstore.release_run(store, "pending-ckpt-0", grace_seconds=0)
+    live = live_loader(store, max_tokens=None)
+    with pytest.raises(mmstore.LiveTimeoutError):  # the pending run is not followed
+        live.next_step(timeout=0)
+    state = live.state_dict()
+    mmstore.gc(store, grace_seconds=0)  # the teardown
+
+    back = store.rollouts("pending-ckpt-0")  # after the restart
+    assert [r.sample_id for r in back] == held
+    with store.writer(RUN, 2, producer="sampler", seq=2) as w:
+        w.write_many(back)
+    resumed = live_loader(store, max_tokens=None)
+    resumed.load_state_dict(state)
+    (batch,) = resumed.next_step(timeout=5)  # images materialize: their media was kept
+    assert sorted(batch["sample_ids"]) == sorted(["c0-g0-0", "c0-g0-1", *held])
+    assert batch["images_missing"] == 0
+    mmstore.unpin(store, "ckpt-0")
+    mmstore.release_run(store, "pending-ckpt-0", grace_seconds=0)
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def _producer(tmp_path, root, plan):
+    """A producer process committing ``plan`` (random small delays) to the store at root."""
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    command = [sys.executable, str(HERE / "live_workers.py"), "produce", str(root)]
+    return subprocess.Popen([*command, str(plan_file)])
+
+
+def test_consumer_follows_a_producer_process_exactly_once_in_commit_order(
+    tmp_path, small_processor
+):
+    root = tmp_path / "s"
+    store = mmstore.Store.open(root, create=True)
+    producer = _producer(tmp_path, root, commit_plan(7, 30))
+    live = live_loader(store, max_staleness=None, num_workers=2)
+    trained = []
+    try:
+        while True:
+            done = producer.poll() is not None  # then every commit is in the log
+            try:
+                step = live.next_step(timeout=0 if done else 1)
+            except mmstore.LiveTimeoutError:
+                if done:
+                    break
+                continue
+            trained += [s for b in step for s in live_workers.micro_record(b)[3]]
+    finally:
+        live.close()
+        assert producer.wait(timeout=120) == 0
+    order = _commit_order(store, {RUN})
+    assert len(set(trained)) == len(trained)
+    assert sorted(trained) == sorted(order[: len(trained)])
+    assert len(order) - len(trained) < BATCH_SIZE
+
+
+def test_sigkill_of_the_consumer_at_random_points_loses_and_repeats_nothing(
+    tmp_path, small_processor
+):
+    root = tmp_path / "s"
+    store = mmstore.Store.open(root, create=True)
+    producer = _producer(tmp_path, root, commit_plan(11, 40))
+    out = tmp_path / "ckpt.json"
+    steps = 16
+    killed = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "live_workers.py"),
+            "kills",
+            str(root),
+            str(out),
+            str(steps),
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert producer.wait(timeout=120) == 0
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert int(killed.stdout.split()[-1]) >= 20
+    history = json.loads(out.read_text())["history"]
+    # An uninterrupted consumer of the same log, in this process:
+    expected = train(live_loader(store), steps)
+    # What the checkpoints kept: every step once, each micro-batch as an uninterrupted
+    # consumer built it (micro-batches of a step killed before its checkpoint are redone).
+    assert history == expected
+
+
+def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        store = mmstore.Store.open(root)
+        live = live_loader(store)  # rank and world size from the process group
+        records = train(live, 6)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, records)
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_take_disjoint_shares_with_equal_micro_batches(tmp_path, small_processor):
+    root = tmp_path / "s"
+    store = mmstore.Store.open(root, create=True)
+    _write(store, mmstore.adapter_for(small_processor), commit_plan(13, 30, other_every=0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ranks.json"
+    mp.start_processes(
+        _rank_main, args=(2, port, str(root), str(out)), nprocs=2, start_method="spawn"
+    )
+    rank0, rank1 = json.loads(out.read_text())
+    one = live_loader(store, batch_size=2 * BATCH_SIZE)  # one rank taking both shares
+    whole = train(one, 6)
+    for step in range(6):
+        mine = [r for r in rank0 if r[0] == step]
+        theirs = [r for r in rank1 if r[0] == step]
+        assert len(mine) == len(theirs) == mine[0][2]  # equal num_micro on both ranks
+        ids0 = [s for r in mine for s in r[3]]
+        ids1 = [s for r in theirs for s in r[3]]
+        assert not set(ids0) & set(ids1)
+        assert sorted(ids0 + ids1) == sorted(s for r in whole if r[0] == step for s in r[3])
+
+
+def test_on_s3_a_waiting_loader_reads_the_next_entry_at_most_twice_a_second(
+    s3_store, small_processor, monkeypatch
+):
+    adapter = mmstore.adapter_for(small_processor)
+    plan = [{"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [{"size": 4, "image": True}]}]
+    _write(s3_store, adapter, plan)
+    live = live_loader(s3_store, max_tokens=None)
+    (batch,) = live.next_step(timeout=30)
+    assert batch["sample_ids"] == [f"c0-g0-{k}" for k in range(4)]
+    requests = []
+    backend = type(s3_store.backend)
+    for name in ("read", "stat", "list"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(
+            backend,
+            name,
+            lambda self, *a, _real=real, _name=name, **k: (
+                requests.append(_name) or _real(self, *a, **k)
+            ),
+        )
+    with pytest.raises(mmstore.LiveTimeoutError):
+        live.next_step(timeout=3)
+    assert "list" not in requests and 0 < len(requests) <= 2 * 3 + 2
