@@ -45,9 +45,9 @@ def main(
     run in it is released first. ``tmp=True`` uses a temporary directory, deleted at the end.
     """
     import torch
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+
+    # The torchvision backend, as the README and examples use: twice PIL's speed, same layout.
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
     from mmstore import RolloutDataset, RolloutLoader  # torch: only when the demo runs
 
@@ -57,7 +57,7 @@ def main(
         root = f"{workdir}/store"
     root = root or DEFAULT_ROOT
     try:
-        processor = Qwen2VLImageProcessorPil()
+        processor = Qwen2VLImageProcessor()
         adapter = adapter_for(processor)
         store = Store.open(root, create=True)
         _replace_earlier_demo(store)

@@ -529,9 +529,10 @@ def test_a_store_in_a_missing_bucket_names_the_bucket(s3_options, capsys, monkey
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     result = call_cli(capsys, "stats", "s3://no-such-bucket-x1/store")
     assert_user_error(result, 1, "the bucket 'no-such-bucket-x1' does not exist")
-    # Creating one there fails naming the bucket too (pyarrow's NO_SUCH_BUCKET).
-    with pytest.raises(OSError, match="no-such-bucket-x1"):
+    # Creating one there fails with a typed error naming the bucket (pyarrow's NO_SUCH_BUCKET).
+    with pytest.raises(mmstore.NotAStoreError, match="bucket 'no-such-bucket-x1' does not") as err:
         mmstore.Store.open("s3://no-such-bucket-x1/store", create=True, s3_options=s3_options)
+    assert err.value.bucket == "no-such-bucket-x1"
     # A bucket that exists, without a store in it, is the usual "no store" message.
     bucket = f"mm-{os.getpid()}-plain"
     import pyarrow.fs as pafs

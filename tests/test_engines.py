@@ -4,10 +4,10 @@ one table version, ``run_id`` a string (leading zeros kept) and ``step`` an inte
 Format 2: ``ROOT/rollouts`` is a Delta table. Delta readers (deltalake, polars, Ray) read a
 version's rows typed with no recipe. DuckDB and HF datasets read plain Parquet: they take
 the file list of a version (``store.files(version)``, or deltalake's ``file_uris()``) and the
-typing recipe of the README's engine table. A listing of the directory is wrong twice over:
-it reads files no version lists (released rows kept for the grace period, a killed writer's
-orphan) and, left to infer, turns run id ``0042`` into the integer 42. Each recipe below is
-the README's, word for word apart from the path variables.
+typing recipe of the engine table (docs/engines.md). A listing of the directory is wrong
+twice over: it reads files no version lists (released rows kept for the grace period, a
+killed writer's orphan) and, left to infer, turns run id ``0042`` into the integer 42. Each
+recipe below is the one docs/engines.md shows, apart from the path variables.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_an_older_version_reads_as_it_was(store, root):
 
 def test_duckdb(store, root):
     duckdb = pytest.importorskip("duckdb")
-    files = [store.backend.abspath(f.path) for f in store.files()]  # the latest version's
+    files = [f"{store.root}/{f.path}" for f in store.files()]  # the latest version's
     rows = duckdb.sql(
         f"SELECT run_id, step, sample_id FROM read_parquet({files!r}, "
         "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'step': INTEGER})"

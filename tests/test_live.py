@@ -222,9 +222,35 @@ def test_a_file_laid_out_for_another_processor_is_refused_by_name(tmp_path, smal
     other = mmstore.adapter_for(Qwen2VLImageProcessorPil(max_pixels=128 * 28 * 28))
     plan = [{"run": RUN, "seq": 0, "policy": 0, "delay": 0, "groups": [{"size": 4, "image": True}]}]
     _write(store, other, plan)
-    with pytest.raises(mmstore.LayoutMismatchError) as err:
-        live_loader(store).next_step(timeout=5)
-    assert err.value.runs == [RUN]
+    live = live_loader(store)
+    for _ in range(2):  # refused again on every call: never skipped, so never lost
+        with pytest.raises(mmstore.LayoutMismatchError) as err:
+            live.next_step(timeout=5)
+        assert err.value.runs == [RUN]
+    assert live.state_dict()["cursor"] == [1, 0, 0]
+
+
+def test_a_damaged_followed_file_is_refused_by_name_and_nothing_before_it_is_lost(
+    tmp_path, small_processor
+):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    group = {"size": 4, "image": False}
+    plan = [{"run": RUN, "seq": c, "policy": 0, "delay": 0, "groups": [group]} for c in (0, 1)]
+    _write(store, adapter, plan)
+    damaged = store.files()[-1].path
+    path = store.backend.abspath(damaged)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])  # its footer gone
+    live = live_loader(store, max_tokens=None, batch_size=8)
+    for _ in range(2):
+        with pytest.raises(mmstore.CorruptFileError) as err:
+            live.next_step(timeout=5)
+        assert err.value.file == damaged
+    assert live.state_dict()["cursor"] == [1, 0, 0]  # the good file before it still waits
+    Path(path).write_bytes(data)  # repaired (restored from a copy)
+    (batch,) = live.next_step(timeout=5)
+    assert len(batch["sample_ids"]) == 8
 
 
 def test_policy_version_is_a_column_every_reader_sees(tmp_path, small_processor, capsys):

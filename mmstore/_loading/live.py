@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -350,6 +351,7 @@ class LiveLoader:
     def _start(self, cursor: Cursor, *, step: int, stats: dict[str, int]) -> None:
         self._follower = LogFollower(self.store, self._runs, start=cursor, max_len=self.max_len)
         self._waiting: list[_Group] = []
+        self._unchecked: deque[FollowedFile] = deque()  # read from the log, not yet checked
         self.step = step
         self._stats = stats
 
@@ -358,6 +360,9 @@ class LiveLoader:
         """The first position in commit order no step has consumed."""
         if self._waiting:
             return self._waiting[0].cursor
+        if self._unchecked:
+            first = self._unchecked[0]
+            return Cursor(first.version, first.index, first.first_row)
         return Cursor(self._follower.version + 1, 0, 0)
 
     def stats(self) -> dict[str, int]:
@@ -459,10 +464,15 @@ class LiveLoader:
 
     def _follow(self) -> None:
         """Add the groups of every file committed to the followed runs since last time."""
-        for followed in self._follower.poll():
+        self._unchecked.extend(self._follower.poll())
+        while self._unchecked:
+            # A file laid out for another processor raises here, and again on every call:
+            # it stays first in line, never skipped (its rows would be lost to a resume).
+            followed = self._unchecked[0]
             snapshot = Snapshot((followed.file.path,), followed.units, followed.version)
             _check_layouts(self.store, self.adapter, snapshot)
             self._waiting.extend(_groups_of(followed))
+            self._unchecked.popleft()
 
     def _take(self, oldest: int | None) -> StepTake | None:
         sizes = np.fromiter((g.size for g in self._waiting), np.int64, len(self._waiting))

@@ -124,11 +124,11 @@ class LogFollower:
             self._watch = None
 
     def poll(self) -> list[FollowedFile]:
+        """The followed files of every version committed since the last poll (one read of
+        each new entry, and one of the next, absent entry)."""
         # A change from here on wakes the next wait (one before is read by this poll).
         if self._watch is not None:
             self._watch.drain()
-        """The followed files of every version committed since the last poll (one read of
-        each new entry, and one of the next, absent entry)."""
         found: list[FollowedFile] = []
         table = table_of(self.store)
         # Whether the start was cleaned up below a checkpoint is asked once: later polls of a
@@ -136,7 +136,13 @@ class LogFollower:
         check = self._first_poll
         self._first_poll = False
         while (entry := table.log_entry(self.version + 1, check_cleaned=check)) is not None:
-            found.extend(self._files_of(entry))  # all of an entry, or an error and none
+            try:
+                files = self._files_of(entry)  # all of an entry's files, or none
+            except Exception:
+                if found:  # hand over the entries before it; it raises again next time
+                    return found
+                raise
+            found.extend(files)
             self.version = entry.version
         return found
 

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from mmstore._exceptions import HashMismatchError, MmstoreError, NetworkError
+from mmstore._exceptions import HashMismatchError, MmstoreError, NetworkError, NotAStoreError
 
 STAGING = "_staging"
 # Threads that fsync a commit's media files together (see LocalBackend.sync).
@@ -405,6 +405,14 @@ class S3Backend:
             try:
                 yield
             except OSError as exc:
+                if "NO_SUCH_BUCKET" in str(exc):
+                    bucket = self.abspath(rel).split("/", 1)[0]
+                    raise NotAStoreError(
+                        f"the bucket {bucket!r} does not exist (create it first, or check the "
+                        "endpoint and region)",
+                        bucket=bucket,
+                        location=location,
+                    ) from None
                 denied = access_denied(exc, location)
                 if denied is None:
                     raise
