@@ -352,6 +352,37 @@ def test_text_only_batches_with_and_without_a_dummy_image(case, filled, dtype):
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("max_tokens", [None, 8192], ids=["padded", "packed"])
+def test_the_tiny_model_trains_on_every_live_micro_batch_of_two_ranks(case, filled, max_tokens):
+    """LiveLoader over both runs (commit order: r, then t), two ranks computing their shares
+    alone: every micro-batch of either rank (images, text only, packed or padded) is
+    accepted by the tiny model, the ranks' shares are disjoint and cover each step, and
+    they run the same number of micro-batches."""
+    dtype = torch.float32
+    model = case.tiny_model(dtype)
+    shares = []
+    for rank in (0, 1):
+        live = mmstore.LiveLoader(filled.store, case.small(), runs=["r", "t"], batch_size=1,
+                                  max_tokens=max_tokens, rank=rank, world_size=2, dtype=dtype,
+                                  node_cache_bytes=0)  # fmt: skip
+        steps = []
+        for _ in range(3):
+            batches = list(live.next_step(timeout=5))
+            for batch in batches:
+                assert torch.isfinite(train_loss(model, live, batch)), batch["sample_ids"]
+            ids = [
+                s
+                for b in batches
+                for s, f in zip(b["sample_ids"], b["is_filler"].tolist(), strict=True)
+                if not f
+            ]
+            steps.append((len(batches), ids))
+        shares.append(steps)
+    expected = [["two", "one"], ["text", "again"], ["t0", "t1"]]
+    for (n0, ids0), (n1, ids1), step in zip(*shares, expected, strict=True):
+        assert n0 == n1 and sorted(ids0 + ids1) == sorted(step)
+
+
 def test_packed_text_only_micro_batches_train(case, filled):
     """A packed micro-batch without images (a text-only step, an agent turn without a
     screenshot) passes None for the image inputs, as a padded batch does (a vision tower
