@@ -313,6 +313,32 @@ def test_s3_table_reads_versions_removes_and_dedups(s3_storage):
     assert arrow.to_pyarrow_table().schema.field("step").type == pa.int32()
 
 
+def test_on_s3_commits_are_mmstores_own_entries_put_if_absent(s3_storage, monkeypatch):
+    """With boto3, an S3 commit is a conditional PUT of mmstore's own log entry (no delta-rs
+    snapshot of every live file); a PUT of a version another commit took is refused by the
+    store, and the commit goes on at the next version."""
+    assert s3_storage.backend.conditional_put
+    table = RolloutTable(s3_storage)
+    table.create()
+    other = RolloutTable(s3_storage)  # another writer, behind: it last read version 0
+    other.latest_version()
+    assert table.commit([write_part(s3_storage, "r", 0, "a")]).version == 1
+    entry = json.loads(table._read_log_json(1).splitlines()[0])  # commitInfo first
+    assert entry["commitInfo"]["engineInfo"] == "mmstore"
+    assert not s3_storage.backend.put_if_absent(
+        "rollouts/_delta_log/00000000000000000001.json", b"{}"
+    )  # the store itself refuses to replace an entry
+    assert other.commit([write_part(s3_storage, "r", 1, "b")]).version == 2
+    assert [f.path.split("/")[-1][:6] for f in table.snapshot().files] == ["part-a", "part-b"]
+
+
+def test_s3_options_without_a_boto3_twin_commit_through_delta_rs():
+    from mmstore._storage.backends import conditional_put_client
+
+    assert conditional_put_client({"role_arn": "arn:aws:iam::1:role/x"}) is None
+    assert conditional_put_client({"anonymous": True}) is None
+
+
 # -- schema evolution ------------------------------------------------------------------------
 
 

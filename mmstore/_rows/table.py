@@ -32,13 +32,14 @@ entries), which :meth:`RolloutTable.snapshot` and :meth:`RolloutTable.latest_ver
 such a forked child (a rank forked from a parent that used the table plans as its parent
 would). Commits there still raise :class:`TableForkError`.
 
-Commits on a local store are written by mmstore itself: the commit's JSON entry (Delta's
+Commits are written by mmstore itself where the store can put a file only if it is absent
+(a local store: a link; S3 with boto3: a conditional PUT): the commit's JSON entry (Delta's
 add, txn and commitInfo actions) put-if-absent at the version after the newest it read,
 retried at the next one when another commit took it (see ``_commit_log``). delta-rs 1.6
 would load every live file's action and replay the log on each commit (10 ms at a few files,
 56 ms at 10,000); this reads one missing entry and writes one small file, whatever the
-table's size. Commits on S3 go through delta-rs, with conditional put (``If-None-Match`` on
-the log entry's key; no lock service); removals and schema changes always do.
+table's size. Elsewhere (S3 without boto3, or options boto3 has no twin of) commits go
+through delta-rs, with its conditional put; removals and schema changes always do.
 Versions are kept: expired-log cleanup is off, so every version stays readable until gc
 (format v2's lifecycle) decides otherwise. A checkpoint every :data:`CHECKPOINT_INTERVAL`
 versions bounds what opening a version reads: one checkpoint (every live file's add action)
@@ -109,7 +110,7 @@ COMMIT_ATTEMPTS = 8
 # delta-rs's retries within one attempt: an append that loses a version to another append
 # retries at the next one after checking that the winner does not conflict.
 DELTA_COMMIT_RETRIES = 100
-# Commits on a local store are written by mmstore itself (see RolloutTable._commit_log):
+# Commits on a local store or S3 (boto3) are written by mmstore (RolloutTable._commit_log):
 # puts of a version's entry lost to other writers before a commit gives up. Every lost put
 # means another commit took that version, so this only bounds a pathological log.
 LOG_COMMIT_ATTEMPTS = 1000
@@ -237,7 +238,7 @@ class RolloutTable:
         self.checkpoint_interval = checkpoint_interval
         self._latest: DeltaTable | None = None
         self._lock = threading.RLock()
-        self._head: _Head | None = None  # the commit path's view of the log (local stores)
+        self._head: _Head | None = None  # the commit path's view of the log (own entries)
         self._tip: _Tip | None = None  # the latest version's files, kept up to date
         self._checkpointing: threading.Thread | None = None
         self._due: int | None = None  # the version the checkpoint thread writes next
@@ -471,7 +472,7 @@ class RolloutTable:
         producer's seqs must therefore grow and be committed one at a time, as a retrying
         producer does. Two commits of the same pair racing each other commit once: the
         second loses the version to the first (put-if-absent of its log entry locally,
-        Delta's conflict check on S3), and its retry then finds the pair committed.
+        or delta-rs's conflict check), and its retry then finds the pair committed.
 
         Appends that race other appends are retried at later versions; a commit that keeps
         losing to conflicting commits raises :class:`TableConflictError`.
@@ -488,7 +489,7 @@ class RolloutTable:
             _check_file(file)
         commit_id = uuid.uuid4().hex
         _check_runtime(self.uri)  # it may start a checkpoint (delta-rs): never in a fork
-        if isinstance(self.storage.backend, LocalBackend):
+        if _puts_if_absent(self.storage.backend):
             return self._commit_log(files, commit_id, producer, seq)
         actions = [_add_action(f) for f in files]
         first_read: int | None = None
@@ -650,7 +651,7 @@ class RolloutTable:
             version += 1
         return None
 
-    # -- mmstore's own log writer (local stores) ------------------------------------------
+    # -- mmstore's own log writer (local stores, S3 with boto3) ---------------------------
     #
     # delta-rs 1.6 loads every live file's add action to commit (``without_files`` is
     # ignored), replays the log after it and takes checkpoints on the commit's path: a
@@ -982,6 +983,12 @@ def _append_entry(
 
 # The process whose tokio runtime delta-rs created through this module (None: none yet).
 _RUNTIME_PID: int | None = None
+
+
+def _puts_if_absent(backend: Any) -> bool:
+    """Whether mmstore writes this store's log entries itself: an atomic put-if-absent
+    (locally a link; on S3 a conditional PUT, with boto3); otherwise delta-rs commits."""
+    return isinstance(backend, LocalBackend) or bool(getattr(backend, "conditional_put", False))
 
 
 def _forked() -> bool:

@@ -370,6 +370,11 @@ def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:
     the AWS SDK's usual chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, profiles,
     instance roles). Explicit options win over the environment.
     """
+    return pafs.S3FileSystem(**s3_settings(options))
+
+
+def s3_settings(options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`s3_filesystem`'s options: explicit ones over the AWS environment's."""
     opts = dict(options or {})
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and "endpoint_override" not in opts:
@@ -384,14 +389,88 @@ def s3_filesystem(options: dict[str, Any] | None = None) -> pafs.S3FileSystem:
     # appears whole or not at all, and S3 emulators with incomplete multipart support (some
     # moto versions) work. Objects above the part size still go multipart, as S3 requires.
     opts.setdefault("allow_delayed_open", True)
-    return pafs.S3FileSystem(**opts)
+    return opts
+
+
+# pyarrow S3 options that have a boto3 twin (the rest only tune pyarrow's own client); a store
+# opened with any other (a role to assume, anonymous access, a proxy) writes its log through
+# delta-rs instead.
+_BOTO3_TWINS = {
+    "access_key": "aws_access_key_id",
+    "secret_key": "aws_secret_access_key",
+    "session_token": "aws_session_token",
+    "region": "region_name",
+}
+_PYARROW_ONLY = {"allow_bucket_creation", "allow_bucket_deletion", "allow_delayed_open",
+                 "connect_timeout", "request_timeout", "endpoint_override", "scheme"}  # fmt: skip
+
+
+def conditional_put_client(settings: dict[str, Any]) -> Any | None:
+    """A boto3 S3 client for the same endpoint and credentials as ``settings`` (pyarrow's
+    options), for put-if-absent (``If-None-Match: *``, which pyarrow cannot send); None
+    without boto3 or for options it has no twin of."""
+    if set(settings) - _PYARROW_ONLY - set(_BOTO3_TWINS):
+        return None
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        return None
+    kwargs = {_BOTO3_TWINS[k]: v for k, v in settings.items() if k in _BOTO3_TWINS}
+    if settings.get("endpoint_override"):
+        scheme = settings.get("scheme") or "https"
+        kwargs["endpoint_url"] = f"{scheme}://{settings['endpoint_override']}"
+    config = Config(retries={"max_attempts": 5, "mode": "standard"})
+    return boto3.session.Session().client("s3", config=config, **kwargs)
 
 
 class S3Backend:
     def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
         parsed = urlparse(uri)
         self.base = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
-        self.fs = s3_filesystem(options)
+        self.settings = s3_settings(options)
+        self.fs = pafs.S3FileSystem(**self.settings)
+        self._client: Any = None  # boto3, built on first put-if-absent (never pickled)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def conditional_put(self) -> bool:
+        """Whether :meth:`put_if_absent` is atomic here (boto3 installed, options it takes)."""
+        if self._client is None:
+            self._client = conditional_put_client(self.settings) or False
+        return self._client is not False
+
+    def put_if_absent(self, rel: str, data: bytes) -> bool:
+        """Write ``rel`` unless it exists, atomically (S3's ``If-None-Match: *``): True if
+        this call wrote it, False if an object was there (or a racing write won)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if not self.conditional_put:
+            raise RuntimeError("put_if_absent needs boto3 (the s3 extra)")
+        bucket, _, key = self.abspath(rel).partition("/")
+        location = f"s3://{self.abspath(rel)}"
+        try:
+            self._client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            # 412: the object exists; 409: a racing conditional write (retry: it may not have
+            # won, and a False here makes the caller read the version again and retry).
+            if status in (409, 412):
+                return False
+            if status in (403,):
+                raise PermissionError(errno.EACCES, f"access denied ({exc})", location) from None
+            if status is not None and status < 500 and status != 429:
+                raise OSError(f"conditional put of {location} refused: {exc}") from None
+            raise NetworkError(
+                f"storage did not answer (retryable): {exc}", location=location
+            ) from None
+        except BotoCoreError as exc:
+            raise NetworkError(
+                f"storage unreachable or too slow (retryable): {exc}", location=location
+            ) from None
+        return True
 
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
@@ -435,7 +514,9 @@ class S3Backend:
         self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
     ) -> bool:
         # One PUT: durable once it returns, whatever ``durable`` says.
-        if not replace and self.stat(rel) is not None:
+        if not replace and self.conditional_put:
+            return self.put_if_absent(rel, data)
+        if not replace and self.stat(rel) is not None:  # racy: without boto3 only
             return False
         with self._network(rel), self.fs.open_output_stream(self.abspath(rel)) as f:
             f.write(data)
