@@ -57,8 +57,12 @@ def make_row(adapter, media, sample_id="s0", n_images=1):
 def forge(store, adapter, rows, *, schema=ROLLOUT_SCHEMA, run="forged", step=0):
     """Commit ``rows`` as one file written by plain pyarrow (and committed to the table);
     its store-relative path."""
+    return forge_table(store, adapter, pa.Table.from_pylist(rows, schema=schema), run, step)
+
+
+def forge_table(store, adapter, table, run="forged", step=0):
+    """:func:`forge` of an Arrow table (a forged huge row never becomes Python lists)."""
     path = f"rollouts/run_id={run}/step={step}/part-{uuid.uuid4().hex}-00000.parquet"
-    table = pa.Table.from_pylist(rows, schema=schema)
     layouts = {adapter.fingerprint: adapter.layout.params()}
     table = table.replace_schema_metadata(
         {META_SCHEMA_VERSION: b"1", META_LAYOUTS: json.dumps(layouts).encode()}

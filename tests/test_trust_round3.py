@@ -9,12 +9,10 @@ would leave them; a rotted page is a flipped bit in a committed file's tokens co
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 import tracemalloc
-import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -24,7 +22,7 @@ import pytest
 import mmstore
 from mmstore import debug
 from mmstore._format.media import content_hash
-from mmstore._format.schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
+from mmstore._format.schema import ROLLOUT_SCHEMA
 from mmstore._rows import table as table_module
 from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
 from mmstore._rows.files import open_rollout_file
@@ -33,23 +31,14 @@ from mmstore.synth import photo
 from tests import rows
 from tests.rows import commit_existing
 from tests.store_workers import image_bytes, make_row
+from tests.test_reader_trust import forge_table
 
 # -- helpers -------------------------------------------------------------------------------
 
 
 def forge(store, adapter, table: pa.Table, run="forged", step=0) -> str:
-    """Commit ``table`` (v1 columns) as one file written by plain pyarrow; its path. (As
-    test_reader_trust's forge, from a table: a forged 20M-token row never becomes a list.)"""
-    path = f"rollouts/run_id={run}/step={step}/part-{uuid.uuid4().hex}-00000.parquet"
-    layouts = {adapter.fingerprint: adapter.layout.params()}
-    table = table.replace_schema_metadata(
-        {META_SCHEMA_VERSION: b"1", META_LAYOUTS: json.dumps(layouts).encode()}
-    )
-    target = store.backend.abspath(path)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    pq.write_table(table, target)
-    commit_existing(store, path)
-    return path
+    """Commit ``table`` (v1 columns) as one file written by plain pyarrow; its path."""
+    return forge_table(store, adapter, table, run=run, step=step)
 
 
 def one_row(**columns) -> pa.Table:
@@ -168,15 +157,7 @@ def test_a_forged_row_of_20m_tokens_is_refused_by_every_reader(store, adapter, s
     assert isinstance(expected, mmstore.InvalidRolloutError) and "exceed" in expected.message
     tracemalloc.start()
     try:
-        for read in (
-            lambda: store.rollouts(),
-            lambda: debug.sample(store, "huge"),
-            lambda: debug.sample_view(store, "huge"),
-        ):
-            with pytest.raises(mmstore.InvalidRolloutError) as info:
-                read()
-            assert info.value.message == expected.message
-            assert_names(info.value, path, "huge")
+        every_reader_refuses(store, "huge", path, expected)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -189,15 +170,20 @@ def test_a_forged_row_of_6000_refs_is_refused_by_every_reader(store, adapter, sm
     path = forge(store, adapter, many_refs_table(adapter, media, 6000))
     expected = loader_error(store, small_processor)
     assert isinstance(expected, mmstore.InvalidRolloutError) and "6000 images" in expected.message
+    every_reader_refuses(store, "many", path, expected)
+
+
+def every_reader_refuses(store, sample_id, path, expected):
+    """Store.rollouts, debug.sample and debug.sample_view raise the loader's error."""
     for read in (
         lambda: store.rollouts(),
-        lambda: debug.sample(store, "many"),
-        lambda: debug.sample_view(store, "many"),
+        lambda: debug.sample(store, sample_id),
+        lambda: debug.sample_view(store, sample_id),
     ):
         with pytest.raises(mmstore.InvalidRolloutError) as info:
             read()
         assert info.value.message == expected.message
-        assert_names(info.value, path, "many")
+        assert_names(info.value, path, sample_id)
 
 
 def test_the_vllm_prompt_refuses_rows_above_the_loaders_caps(store, adapter):
