@@ -459,6 +459,8 @@ class S3Backend:
             # won, and a False here makes the caller read the version again and retry).
             if status in (409, 412):
                 return False
+            if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                raise self._no_bucket(rel) from None
             if status in (403,):
                 raise PermissionError(errno.EACCES, f"access denied ({exc})", location) from None
             if status is not None and status < 500 and status != 429:
@@ -475,6 +477,15 @@ class S3Backend:
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
+    def _no_bucket(self, rel: str) -> NotAStoreError:
+        bucket = self.abspath(rel).split("/", 1)[0]
+        return NotAStoreError(
+            f"the bucket {bucket!r} does not exist (create it first, or check the endpoint "
+            "and region)",
+            bucket=bucket,
+            location=f"s3://{self.abspath(rel)}",
+        )
+
     @contextlib.contextmanager
     def _network(self, rel: str) -> Iterator[None]:
         """Network failures on ``rel`` as :class:`NetworkError` naming its location; a
@@ -485,13 +496,7 @@ class S3Backend:
                 yield
             except OSError as exc:
                 if "NO_SUCH_BUCKET" in str(exc):
-                    bucket = self.abspath(rel).split("/", 1)[0]
-                    raise NotAStoreError(
-                        f"the bucket {bucket!r} does not exist (create it first, or check the "
-                        "endpoint and region)",
-                        bucket=bucket,
-                        location=location,
-                    ) from None
+                    raise self._no_bucket(rel) from None
                 denied = access_denied(exc, location)
                 if denied is None:
                     raise
