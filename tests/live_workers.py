@@ -22,7 +22,6 @@ import random
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -30,7 +29,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import mmstore
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.store_workers import image_bytes, make_row
+from tests.store_workers import fork_child, image_bytes, make_row
 
 SMALL_MAX_PIXELS = 256 * 28 * 28  # as tests/conftest.py
 RUN = "live"
@@ -163,18 +162,13 @@ def kills(root: str, out: str, steps: int, seed: int) -> int:
         ahead = 0 if rng.random() < 0.7 else 1  # mostly in the next step: many kills
         die = (min(done + ahead, steps - 1), rng.choice(["mid", "save", "saved"]))
         workers = rng.choice([0, 0, 2])
-        pid = os.fork()
-        if pid == 0:
+
+        def consumer(die: tuple[int, str] = die, workers: int = workers) -> None:
             # A consumer that hangs says where, and ends, instead of hanging the test.
             faulthandler.dump_traceback_later(120, exit=True)
-            code = 0
-            try:
-                consume(root, out, steps, die, workers)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
+            consume(root, out, steps, die, workers)
+
+        pid = fork_child(consumer)
         _, status = os.waitpid(pid, 0)
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
             killed += 1

@@ -194,16 +194,8 @@ def crash(root: str, trials: int, seed: int) -> dict[str, Any]:
     for trial in range(trials):
         phase = list(PHASES)[trial % len(PHASES)]
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the writer
-            os.close(read_fd)
-            code = 0
-            try:
-                crash_child(root, trial, adapter, write_fd)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
+
+        pid = fork_child(crash_child, root, trial, adapter, write_fd, close=read_fd)  # writer
         os.close(write_fd)
         if _await_marker(read_fd, phase, rng.randint(1, 3)):
             time.sleep(rng.uniform(0, PHASES[phase]))
@@ -254,17 +246,13 @@ def concurrent(root: str, writers: int, shared: int, rows: int) -> dict[str, Any
     read_fd, write_fd = os.pipe()
     pids = []
     for index in range(writers):
-        pid = os.fork()
-        if pid == 0:
+
+        def writer(index: int = index) -> None:
             os.close(write_fd)
             os.read(read_fd, 1)  # blocks until the parent lets every writer go at once
-            code = 0
-            try:
-                concurrent_child(root, index, adapter, shared, rows)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
+            concurrent_child(root, index, adapter, shared, rows)
+
+        pid = fork_child(writer)
         pids.append(pid)
     os.close(read_fd)
     os.close(write_fd)  # EOF releases all writers together
@@ -326,16 +314,7 @@ def lifecycle(root: str, trials: int, seed: int) -> dict[str, Any]:
         _run_to_end(lambda t=trial: lifecycle_prepare(root, t, adapter))
         op = LIFECYCLE_OPS[trial % len(LIFECYCLE_OPS)]
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            code = 0
-            try:
-                lifecycle_op(root, trial, op, write_fd)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
+        pid = fork_child(lifecycle_op, root, trial, op, write_fd, close=read_fd)
         os.close(write_fd)
         if _await_marker(read_fd, b"s", 1):
             started = time.monotonic()
@@ -445,16 +424,7 @@ def upgrade_trials(root: str, trials: int, seed: int) -> dict[str, Any]:
         # slow the machine is (the others die at a random moment within an upgrade's time).
         wait = rng.uniform(0, within) if trial % 10 != 9 else 120.0
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            code = 0
-            try:
-                upgrade_op(root, write_fd)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
+        pid = fork_child(upgrade_op, root, write_fd, close=read_fd)
         os.close(write_fd)
         if _await_marker(read_fd, b"s", 1):
             started = time.monotonic()
@@ -477,18 +447,27 @@ def upgrade_trials(root: str, trials: int, seed: int) -> dict[str, Any]:
     return outcome
 
 
-def _run_to_end(fn: Any) -> None:
-    """``fn()`` in a forked child (the parent stays free of pyarrow and threads)."""
+def fork_child(fn: Any, *args: Any, close: int | None = None) -> int:
+    """Fork a child that closes ``close`` (the pipe end it does not use), runs
+    ``fn(*args)`` and exits: 0, or 1 after printing the traceback of what it raised.
+    Returns the child's pid (in the parent only)."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            fn()
+            if close is not None:
+                os.close(close)
+            fn(*args)
         except BaseException:
             traceback.print_exc()
             code = 1
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    return pid
+
+
+def _run_to_end(fn: Any) -> None:
+    """``fn()`` in a forked child (the parent stays free of pyarrow and threads)."""
+    _, status = os.waitpid(fork_child(fn), 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"preparing a trial failed with status {status}")
 

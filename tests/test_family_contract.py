@@ -383,6 +383,17 @@ def test_the_tiny_model_trains_on_every_live_micro_batch_of_two_ranks(case, fill
         assert n0 == n1 and sorted(ids0 + ids1) == sorted(step)
 
 
+def assert_logits_of_each_sample_alone(model, packed, batch, one_by_one, alone) -> None:
+    """Each sample's logits in packed micro-batch ``batch`` equal its logits run alone
+    (``alone[sample_id]``: its batch from the one-by-one loader)."""
+    with torch.no_grad():
+        logits = model(**model_inputs(packed, batch)).logits[0]
+        cu = batch["cu_seqlens"].tolist()
+        for i, sample_id in enumerate(batch["sample_ids"]):
+            expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
+            torch.testing.assert_close(logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
+
+
 def test_packed_text_only_micro_batches_train(case, filled):
     """A packed micro-batch without images (a text-only step, an agent turn without a
     screenshot) passes None for the image inputs, as a padded batch does (a vision tower
@@ -401,12 +412,7 @@ def test_packed_text_only_micro_batches_train(case, filled):
     assert batch["sample_ids"] == ["t0", "t1"] and not batch["dummy_image"]
     assert all(batch[key] is None for key in ds.adapter.image_inputs)
     assert torch.isfinite(train_loss(model, packed, batch))
-    with torch.no_grad():
-        logits = model(**model_inputs(packed, batch)).logits[0]
-        cu = batch["cu_seqlens"].tolist()
-        for i, sample_id in enumerate(batch["sample_ids"]):
-            expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
-            torch.testing.assert_close(logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
+    assert_logits_of_each_sample_alone(model, packed, batch, one_by_one, alone)
     # The same with each image once (distinct_images): no image, no index.
     (distinct,) = list(
         mmstore.RolloutLoader(ds, batch_size=2, max_tokens=max_tokens, distinct_images=True)
@@ -474,12 +480,7 @@ def test_touching_images_are_refused_where_the_model_would_merge_them(case, tmp_
     packed = mmstore.RolloutLoader(ds, batch_size=2, max_tokens=max_tokens)
     (batch,) = list(packed)
     assert sorted(batch["sample_ids"]) == ["other", "touching"]
-    with torch.no_grad():
-        logits = model(**model_inputs(packed, batch)).logits[0]
-        cu = batch["cu_seqlens"].tolist()
-        for i, sample_id in enumerate(batch["sample_ids"]):
-            expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
-            torch.testing.assert_close(logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0)
+    assert_logits_of_each_sample_alone(model, packed, batch, one_by_one, alone)
 
 
 def test_missing_media_gives_placeholders_the_model_accepts(case, tmp_path):
