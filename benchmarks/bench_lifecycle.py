@@ -165,6 +165,7 @@ class SyntheticStore:
             ),
             "metadata": pa.nulls(rows, pa.string()),
             "policy_version": pa.nulls(rows, pa.int64()),
+            "videos": pa.nulls(rows, ROLLOUT_SCHEMA.field("videos").type),
         }
         return pa.Table.from_pydict(columns).cast(ROLLOUT_SCHEMA)
 

@@ -144,6 +144,49 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ),
         ],
     ),
+    # Video rollouts (Qwen2-VL, 10 s screen recordings sampled at 2 fps): the loader against
+    # decoding + processing each distinct clip once and a Dataset decoding whole clips.
+    "video": (
+        "benchmarks.bench_video",
+        [
+            ("video loader / decode+process limit, GRPO-4", "grpo.mmstore_over_limit", "better"),
+            (
+                "video loader / naive whole-clip Dataset, GRPO-4",
+                "grpo.mmstore_over_naive",
+                "better",
+            ),
+            (
+                "video loader / decode+process limit, distinct clips",
+                "distinct.mmstore_over_limit",
+                "better",
+            ),
+            (
+                "video loader / naive whole-clip Dataset, distinct clips",
+                "distinct.mmstore_over_naive",
+                "better",
+            ),
+            (
+                "dense fp32 pixel_values_videos / mmstore bytes, GRPO-4",
+                "grpo.dense_fp32_over_mmstore",
+                "better",
+            ),
+            (
+                "dense bf16 pixel_values_videos / mmstore bytes, GRPO-4",
+                "grpo.dense_bf16_over_mmstore",
+                "better",
+            ),
+            (
+                "dense fp32 pixel_values_videos / mmstore bytes, distinct clips",
+                "distinct.dense_fp32_over_mmstore",
+                "better",
+            ),
+            (
+                "dense bf16 pixel_values_videos / mmstore bytes, distinct clips",
+                "distinct.dense_bf16_over_mmstore",
+                "better",
+            ),
+        ],
+    ),
     # The live loader (asynchronous RL) against a RolloutLoader built per step.
     "live": (
         "benchmarks.bench_live",

@@ -36,11 +36,13 @@ from mmstore._exceptions import (
     UntrustedURIError,
     UpgradeRequiredError,
     VersionMismatchError,
+    VideoBombError,
+    VideoDecodeError,
     WireFormatError,
 )
 from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
 from mmstore._families.qwen_vl import QwenVL
-from mmstore._format.models import ImageRef, MediaRef, Rollout
+from mmstore._format.models import ImageRef, MediaRef, Rollout, VideoRef
 from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
@@ -95,6 +97,8 @@ __all__ = [
     "GcReport",
     "HashMismatchError",
     "ImageDecodeError",
+    "VideoBombError",
+    "VideoDecodeError",
     "ImageRef",
     "ImageSizeError",
     "InvalidRolloutError",
@@ -109,6 +113,7 @@ __all__ = [
     "MediaNotFoundError",
     "MediaPermissionError",
     "MediaRef",
+    "VideoRef",
     "MmstoreError",
     "NetworkError",
     "NotAStoreError",

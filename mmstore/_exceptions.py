@@ -8,7 +8,7 @@
     ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
     ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
     │   └── UpgradeRequiredError                     a format-1 store: run `mmstore upgrade ROOT`
-    ├── WireFormatError            (ValueError)      a malformed wire-form image ref
+    ├── WireFormatError            (ValueError)      a malformed wire-form image or video ref
     ├── UnsupportedProcessorError  (TypeError)       no family adapter for this image processor
     ├── ImageSizeError             (ValueError)      a size the family's layout cannot represent
     ├── NotAStoreError             (FileNotFoundError) opened a directory that holds no manifest
@@ -29,7 +29,9 @@
     ├── PinnedRowsError            (RuntimeError)    a release of rows a pin holds
     ├── LiveTimeoutError           (TimeoutError)    a live step not complete in time
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
-    │   └── DecompressionBombError                   more pixels than the configured limit
+    │   ├── DecompressionBombError                   more pixels than the configured limit
+    │   └── VideoDecodeError                         a clip that is not a safe, decodable video
+    │       └── VideoBombError                       (also a DecompressionBombError) too big a clip
     ├── MediaError                                   media bytes cannot be served as requested
     │   ├── MediaNotFoundError     (FileNotFoundError)
     │   ├── HashMismatchError      (ValueError)
@@ -124,7 +126,8 @@ class UpgradeRequiredError(SchemaVersionError):
 
 
 class WireFormatError(MmstoreError, ValueError):
-    """A wire-form image ref that does not decode to a valid ImageRef."""
+    """A wire-form media ref that does not decode to a valid ImageRef (``mmraw:``) or
+    VideoRef (``mmvid:``)."""
 
 
 class UnsupportedProcessorError(MmstoreError, TypeError):
@@ -180,6 +183,14 @@ class ImageDecodeError(MmstoreError, ValueError):
 
 class DecompressionBombError(ImageDecodeError):
     """An image whose pixel count exceeds the configured limit."""
+
+
+class VideoDecodeError(ImageDecodeError):
+    """Video bytes that are not a safe, decodable clip of an accepted container and codec."""
+
+
+class VideoBombError(VideoDecodeError, DecompressionBombError):
+    """A clip with more pixels per frame, or more frames, than the configured limit."""
 
 
 class MediaError(MmstoreError):

@@ -187,6 +187,7 @@ def _inspect(args: argparse.Namespace) -> int:
         pl.col("tokens").list.len().alias("tokens"),
         "prompt_len",
         pl.col("images").list.len().alias("images"),
+        pl.col("n_videos").alias("videos"),
         "reward",
         "advantage",
         pl.col("policy_version").alias("policy"),
@@ -308,7 +309,7 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json(report.to_dict())
     else:
         checked = (
-            f"{report.files_checked} rollout files, {report.refs_checked} image refs, "
+            f"{report.files_checked} rollout files, {report.refs_checked} media refs, "
             f"{report.media_checked} media files"
             + (" (sizes only, --no-hash)" if args.no_hash else "")
         )
@@ -648,7 +649,32 @@ def _describe_sample(row: dict[str, Any]) -> str:
             ]
         )
         lines.append(_table_text(refs, keys=("index",)))
+    clips = row.get("videos") or []
+    if clips:  # a row without videos reads as before
+        lines.append(f"videos ({len(clips)}):")
+        lines.append(_table_text(_video_table(clips), keys=("index",)))
     return "\n".join(lines)
+
+
+def _video_table(clips: list[dict[str, Any]]) -> pl.DataFrame:
+    """One line per video ref: its span, clip size, the frames it samples of the clip's
+    and at what rate, bytes and URI (the hash too where the URI does not name it)."""
+    return pl.DataFrame(
+        [
+            {
+                "index": i,
+                "tokens": f"[{ref['offset']}, {ref['offset'] + ref['length']})",
+                "length": ref["length"],
+                "size": f"{ref['width']}x{ref['height']}",
+                "frames": f"{len(ref['frames'])} of {ref['num_frames']}",
+                "fps": ref["fps"],
+                "bytes": _human_bytes(ref["nbytes"]),
+                **({} if ref["hash"] in ref["uri"] else {"hash": ref["hash"]}),
+                "uri": ref["uri"],
+            }
+            for i, ref in enumerate(clips)
+        ]
+    )
 
 
 def _table_text(frame: pl.DataFrame, keys: Sequence[str] = ()) -> str:
@@ -739,13 +765,16 @@ def _wrap_parts(parts: list[str], *, prefix: str) -> list[str]:
 
 
 def _spans(row: dict[str, Any]) -> list[str]:
-    """``text [0,14)``, ``image#0 [14,91)``, ..., ``completion [200,344)``: the token layout."""
+    """``text [0,14)``, ``image#0 [14,91)``, ``video#0 [95,520)``, ...,
+    ``completion [200,344)``: the token layout, image and video spans in token order."""
     parts, cursor, prompt = [], 0, row["prompt_len"]
-    for index, ref in enumerate(row["images"]):
+    spans = [("image", i, ref) for i, ref in enumerate(row["images"])]
+    spans += [("video", i, ref) for i, ref in enumerate(row.get("videos") or [])]
+    for kind, index, ref in sorted(spans, key=lambda span: span[2]["offset"]):
         if ref["offset"] > cursor:
             parts.append(f"text [{cursor},{ref['offset']})")
         cursor = ref["offset"] + ref["length"]
-        parts.append(f"image#{index} [{ref['offset']},{cursor})")
+        parts.append(f"{kind}#{index} [{ref['offset']},{cursor})")
     if prompt > cursor:
         parts.append(f"text [{cursor},{prompt})")
     parts.append(f"completion [{prompt},{len(row['tokens'])})")
@@ -755,7 +784,7 @@ def _spans(row: dict[str, Any]) -> list[str]:
 def _describe_problem(problem: Any) -> str:
     where = ", ".join(
         f"{key}={value}"
-        for key in ("file", "run_id", "step", "sample_id", "image_index", "uri")
+        for key in ("file", "run_id", "step", "sample_id", "image_index", "video_index", "uri")
         if (value := getattr(problem, key, None)) is not None
     )
     return f"{problem.kind}: {problem.message}" + (f" ({where})" if where else "")

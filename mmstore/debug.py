@@ -1,14 +1,15 @@
 """Look at a store with polars, and draw one sample for people.
 
-``scan`` and ``images`` are lazy polars frames over the committed rollout files (never
-``_staging/``): filters on ``run_id``/``step`` prune whole files, projections read only the
-columns asked for. ``summary`` aggregates per run and step what a person checks first: how
+``scan``, ``images`` and ``videos`` are lazy polars frames over the committed rollout files
+(never ``_staging/``): filters on ``run_id``/``step`` prune whole files, projections read only
+the columns asked for. ``summary`` aggregates per run and step what a person checks first: how
 many samples and images, how well images dedup, bytes on disk against the bytes dense fp32
-``pixel_values`` would take, rewards, and media that has gone missing.
+``pixel_values`` would take, rewards, and media that has gone missing (video clips count in
+the bytes and the missing media; their refs are ``videos``' rows).
 
 ``sample_view`` renders one sample as a PIL image (thumbnails of its images with their spans,
-and a strip of its tokens marking image spans, prompt vs completion and the loss mask); PIL
-images display inline in notebooks.
+a strip of the sampled frames of each video, and a strip of its tokens marking image and
+video spans, prompt vs completion and the loss mask); PIL images display inline in notebooks.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ from mmstore._exceptions import (
     NoMatchError,
     UnsupportedProcessorError,
 )
-from mmstore._families import Layout, family_for_layout, layout_for_fingerprint, layout_from_record
+from mmstore._families import (
+    Layout,
+    family_for_layout,
+    is_video_layout,
+    layout_for_fingerprint,
+    layout_from_record,
+)
 from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
+from mmstore._format.video import decode_frames
 from mmstore._progress import bar
 from mmstore._rows.check import read_checked
 from mmstore._rows.files import check_run_id, open_rollout_file, partition_of, reading
@@ -44,6 +52,7 @@ from mmstore._storage.backends import S3Backend
 __all__ = [
     "images",
     "missing_media",
+    "missing_videos",
     "sample",
     "sample_view",
     "scan",
@@ -51,6 +60,8 @@ __all__ = [
     "summary",
     "thumbnails",
     "token_strip",
+    "video_strips",
+    "videos",
 ]
 
 PARTITIONS = {"run_id": pl.String, "step": pl.Int32}
@@ -60,6 +71,22 @@ IMAGE_COLUMNS = [
     "width",
     "height",
     "nbytes",
+    "offset",
+    "length",
+    "family",
+    "layout_fingerprint",
+]
+# One row of ``videos``: the ref's fields, with ``n_frames`` (how many frames it samples).
+VIDEO_COLUMNS = [
+    "uri",
+    "hash",
+    "width",
+    "height",
+    "nbytes",
+    "num_frames",
+    "fps",
+    "frames",
+    "n_frames",
     "offset",
     "length",
     "family",
@@ -75,11 +102,14 @@ FP32_BYTES = 4
 
 def scan(store: Store, *, version: int | None = None) -> pl.LazyFrame:
     """One row per committed rollout of table ``version`` (None: the latest): ``run_id``,
-    ``step``, then the columns.
+    ``step``, then the columns, then ``n_videos`` (the row's video refs; 0 for a file
+    written before the ``videos`` column, whose ``videos`` read null).
 
     The file list is the version's, taken now: files committed later are not in it.
     """
-    return _scan_files(store, store.files(version))
+    return _scan_files(store, store.files(version)).with_columns(
+        n_videos=pl.col("videos").list.len().fill_null(0).cast(pl.Int32)
+    )
 
 
 def images(store: Store, *, version: int | None = None) -> pl.LazyFrame:
@@ -87,9 +117,24 @@ def images(store: Store, *, version: int | None = None) -> pl.LazyFrame:
     return _explode_refs(scan(store, version=version))
 
 
+def videos(store: Store, *, version: int | None = None) -> pl.LazyFrame:
+    """One row per video ref: the sample it belongs to, its ``video_index`` in the row, the
+    ref, and ``n_frames`` (how many of the clip's frames it samples)."""
+    return _explode_videos(_scan_files(store, store.files(version)))
+
+
 def missing_media(store: Store) -> pl.DataFrame:
-    """The image refs whose media file is absent (or unresolvable), with their samples."""
-    refs = images(store).collect()
+    """The image refs whose media file is absent (or unresolvable), with their samples
+    (:func:`missing_videos` for video refs)."""
+    return _missing(store, images(store).collect())
+
+
+def missing_videos(store: Store) -> pl.DataFrame:
+    """The video refs whose clip is absent (or unresolvable), with their samples."""
+    return _missing(store, videos(store).collect())
+
+
+def _missing(store: Store, refs: pl.DataFrame) -> pl.DataFrame:
     sizes = _media_sizes(store, refs["uri"].unique().to_list())
     return refs.filter(pl.col("uri").replace_strict(sizes, default=None).is_null())
 
@@ -104,6 +149,8 @@ def summary(
     ``disk_bytes`` (both), ``dense_fp32_bytes`` (the ``pixel_values`` a dense pipeline ships:
     every ref, at the processor's resized grid; null where a layout is unknown),
     ``reward_mean``, ``reward_std`` and ``missing_media`` (refs whose file is absent).
+    Video clips count in ``media_bytes`` and ``missing_media``; the image columns are of
+    images only.
     """
     keys = list(by)
     unknown = set(keys) - set(SUMMARY_KEYS)
@@ -113,6 +160,10 @@ def summary(
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
     refs = _ref_facts(store, scanned, files, progress)
+    # Every media file a ref names, images and video clips alike: what is on disk or missing.
+    media = pl.concat(
+        [refs.select(*SUMMARY_KEYS, "uri", "media_size"), _clip_facts(store, scanned)]
+    )
     parquet = pl.DataFrame(
         [(*partition_of(f.path), f.size) for f in files],
         schema={**PARTITIONS, "size": pl.Int64},
@@ -133,10 +184,12 @@ def summary(
             pl.col("hash").n_unique().cast(pl.Int64).alias("unique_images"),
             pl.col("dense_bytes").sum().alias("dense_fp32_bytes"),
             pl.col("dense_bytes").null_count().alias("unknown_layouts"),
-            pl.col("media_size").is_null().sum().cast(pl.Int64).alias("missing_media"),
         ),
         _aggregate(
-            refs.unique([*keys, "uri"]), keys, pl.col("media_size").sum().alias("media_bytes")
+            media, keys, pl.col("media_size").is_null().sum().cast(pl.Int64).alias("missing_media")
+        ),
+        _aggregate(
+            media.unique([*keys, "uri"]), keys, pl.col("media_size").sum().alias("media_bytes")
         ),
         _aggregate(parquet, keys, pl.col("size").sum().alias("parquet_bytes")),
     ):
@@ -263,18 +316,25 @@ def sample_view(
     step: int | None = None,
     thumb: int = THUMB_SIZE,
 ) -> Image.Image:
-    """A header line, the thumbnails of the sample's images and its token strip, stacked."""
+    """A header line, the thumbnails of the sample's images, a strip of sampled frames per
+    video (when it has any) and its token strip, stacked."""
     row = sample(store, sample_id, run_id=run_id, step=step)
+    clips = row.get("videos") or []
     n, prompt = len(row["tokens"]), row["prompt_len"]
     header = (
         f"run {row['run_id']}  step {row['step']}  sample {row['sample_id']}  "
         f"group {row['group_id']}\n"
         f"tokens {n} (prompt {prompt}, completion {n - prompt}, "
-        f"loss {sum(row['loss_mask'])})  images {len(row['images'])}  "
+        f"loss {sum(row['loss_mask'])})  images {len(row['images'])}  videos {len(clips)}  "
         f"reward {_fmt(row['reward'])}  advantage {_fmt(row['advantage'])}  "
         f"policy {_fmt(row.get('policy_version'))}"
     )
-    parts = [_text_block(header), thumbnails(store, row, size=thumb), token_strip(row)]
+    parts = [_text_block(header)]
+    if row["images"] or not clips:  # a video-only row shows no empty image tile
+        parts.append(thumbnails(store, row, size=thumb))
+    if clips:
+        parts.append(video_strips(store, row, size=max(32, thumb // 2)))
+    parts.append(token_strip(row))
     width = max(p.width for p in parts)
     out = Image.new("RGB", (width, sum(p.height for p in parts) + 8 * len(parts)), "white")
     y = 0
@@ -339,16 +399,116 @@ def _thumbnail(store: Store, ref: dict[str, Any], size: int) -> Image.Image | st
     return image
 
 
-# Token strip colours: prompt text, completion text (in / out of the loss), image spans.
+# Frames one video's strip shows at most, spread evenly over those its ref samples (a ref
+# may sample thousands); the label gives the full count.
+STRIP_FRAMES = 6
+
+
+def video_strips(
+    store: Store,
+    row: dict[str, Any],
+    *,
+    size: int = THUMB_SIZE // 2,
+    frames: int = STRIP_FRAMES,
+    limit: int = MAX_THUMBNAILS,
+) -> Image.Image:
+    """One strip per video of the row (the first ``limit``), stacked: up to ``frames`` of
+    the frames its ref samples (the first and last included), decoded from the clip and
+    side by side, each scaled to fit ``size`` x ``size``; labelled with the video's index,
+    clip size, frame count and rate, hash, span and the frame indices shown.
+
+    A clip that is missing, or that does not verify or decode, shows as one grey tile
+    saying why.
+    """
+    clips = row.get("videos") or []
+    strips = [_video_strip(store, i, ref, size, frames) for i, ref in enumerate(clips[:limit])]
+    if len(clips) > limit:
+        strips.append(_text_block(f"... and {len(clips) - limit} more videos"))
+    if not strips:
+        return _text_block("(no videos)")
+    out = Image.new(
+        "RGB", (max(s.width for s in strips), sum(s.height + 8 for s in strips)), "white"
+    )
+    y = 0
+    for strip in strips:
+        out.paste(strip, (0, y))
+        y += strip.height + 8
+    return out
+
+
+def _video_strip(
+    store: Store, index: int, ref: dict[str, Any], size: int, frames: int
+) -> Image.Image:
+    shown = _spread(list(ref["frames"]), frames)
+    tiles = _frame_tiles(store, ref, shown, size)
+    font = _font(12)
+    label_h = 34
+    count = 1 if isinstance(tiles, str) else max(1, len(tiles))
+    height = size if isinstance(tiles, str) else max([t.height for t in tiles] or [size])
+    # Frames are never scaled up: a small clip's tiles are as wide as its frames.
+    slot = size if isinstance(tiles, str) else max([t.width for t in tiles] or [size])
+    strip = Image.new("RGB", (max(count * (slot + 8), 420), height + label_h), "white")
+    draw = ImageDraw.Draw(strip)
+    if isinstance(tiles, str):  # why the clip cannot be shown, in a grey tile
+        draw.rectangle([0, 0, size - 1, height - 1], fill=(215, 215, 215))
+        left = (size - draw.textlength(tiles, font=font)) // 2
+        draw.text((left, height // 2 - 8), tiles, fill=(200, 0, 0), font=font)
+        draw.rectangle([0, 0, size - 1, height - 1], outline=(190, 190, 190))
+    else:
+        for i, tile in enumerate(tiles):
+            strip.paste(tile, (i * (slot + 8) + (slot - tile.width) // 2, 0))
+    end = ref["offset"] + ref["length"]
+    draw.text(
+        (0, height + 2),
+        f"video #{index}  {ref['width']}x{ref['height']}  {ref['num_frames']} frames at "
+        f"{ref['fps']:g} fps  {ref['hash'][:10]}  tokens [{ref['offset']}, {end})\n"
+        f"{len(ref['frames'])} frames sampled; shown: {', '.join(map(str, shown))}",
+        fill="black",
+        font=font,
+    )
+    return strip
+
+
+def _spread(frames: list[int], n: int) -> list[int]:
+    """At most ``n`` of ``frames``, evenly spread, the first and last included."""
+    if len(frames) <= n:
+        return frames
+    if n <= 1:
+        return frames[:n]
+    return [frames[round(i * (len(frames) - 1) / (n - 1))] for i in range(n)]
+
+
+def _frame_tiles(
+    store: Store, ref: dict[str, Any], indices: list[int], size: int
+) -> list[Image.Image] | str:
+    """The clip's frames at ``indices`` scaled to fit ``size``, or why they cannot be
+    shown (the bytes are hash-checked first, and decoded within the store's pixel limit)."""
+    try:
+        data = store.read_media(ref["uri"], ref["hash"])
+        pixels = decode_frames(data, indices, max_pixels=store.max_image_pixels, where=ref["uri"])
+    except (MmstoreError, OSError) as exc:
+        return "MISSING" if isinstance(exc, MediaNotFoundError) else type(exc).__name__
+    tiles = []
+    for frame in pixels:
+        tile = Image.fromarray(frame)
+        tile.thumbnail((size, size))
+        tiles.append(tile)
+    return tiles
+
+
+# Token strip colours: prompt text, completion text (in / out of the loss), image and video
+# spans.
 PROMPT = (150, 180, 225)
 COMPLETION_LOSS = (60, 170, 75)
 COMPLETION_NO_LOSS = (200, 225, 200)
 IMAGE = ((245, 166, 35), (215, 110, 10))  # alternating, so adjacent images stay apart
+VIDEO = ((170, 120, 230), (120, 70, 190))  # alternating too
 LOSS_MARK = (20, 20, 20)
 PROMPT_END = (220, 0, 0)
 LEGEND = (
     (PROMPT, "prompt"),
     (IMAGE[0], "image span (#index)"),
+    (VIDEO[0], "video span (v#index)"),
     (COMPLETION_LOSS, "completion, in loss"),
     (COMPLETION_NO_LOSS, "completion, not in loss"),
     (LOSS_MARK, "bar below: loss mask"),
@@ -360,14 +520,12 @@ def token_strip(
     row: dict[str, Any], *, columns: int = 128, cell: int = 7, limit: int = MAX_STRIP_TOKENS
 ) -> Image.Image:
     """Every token (the first ``limit``) as a cell, ``columns`` to a line, coloured as the
-    legend on top says: prompt, image spans (labelled with the image index), completion in
-    or out of the loss; a black bar under each token in the loss mask, a red mark where the
-    completion starts."""
+    legend on top says: prompt, image spans (labelled with the image index), video spans
+    (``v#`` and the video index), completion in or out of the loss; a black bar under each
+    token in the loss mask, a red mark where the completion starts."""
     tokens, mask, prompt_len = row["tokens"][:limit], row["loss_mask"], row["prompt_len"]
-    image_of = [-1] * len(tokens)
-    for index, ref in enumerate(row["images"]):
-        for i in range(ref["offset"], min(len(tokens), ref["offset"] + ref["length"])):
-            image_of[i] = index
+    image_of = _span_owner(row["images"], len(tokens))
+    video_of = _span_owner(row.get("videos") or [], len(tokens))
     font = _font(10)
     legend = _legend(font)
     label_h, cell_h, line_h = 11, 12, 11 + 12 + 8
@@ -382,6 +540,8 @@ def token_strip(
         y = legend.height + (i // columns) * line_h + label_h
         if image_of[i] >= 0:
             colour = IMAGE[image_of[i] % 2]
+        elif video_of[i] >= 0:
+            colour = VIDEO[video_of[i] % 2]
         elif i < prompt_len:
             colour = PROMPT
         else:
@@ -397,11 +557,22 @@ def token_strip(
             draw.text((x + 5, y - label_h), "completion", fill=PROMPT_END, font=font)
         if image_of[i] >= 0 and (i == 0 or image_of[i - 1] != image_of[i]):
             draw.text((x, y - label_h), f"#{image_of[i]}", fill="black", font=font)
+        if video_of[i] >= 0 and (i == 0 or video_of[i - 1] != video_of[i]):
+            draw.text((x, y - label_h), f"v#{video_of[i]}", fill="black", font=font)
     return strip
 
 
+def _span_owner(refs: Sequence[dict[str, Any]], n: int) -> list[int]:
+    """For each of ``n`` tokens, the index of the ref whose span holds it, else -1."""
+    owner = [-1] * n
+    for index, ref in enumerate(refs):
+        for i in range(ref["offset"], min(n, ref["offset"] + ref["length"])):
+            owner[i] = index
+    return owner
+
+
 def _legend(font: ImageFont.FreeTypeFont | ImageFont.ImageFont) -> Image.Image:
-    legend = Image.new("RGB", (1200, 18), "white")
+    legend = Image.new("RGB", (1600, 18), "white")
     draw = ImageDraw.Draw(legend)
     x = 2
     for colour, label in LEGEND:
@@ -425,6 +596,8 @@ def _scan_files(store: Store, files: Sequence[TableFile]) -> pl.LazyFrame:
         hive_partitioning=True,
         hive_schema=PARTITIONS,
         storage_options=storage_options(store),
+        # A file written before an optional column (videos, policy_version) reads it null.
+        missing_columns="insert",
     )
     return frame.select(*PARTITIONS, *ROLLOUT_SCHEMA.names)
 
@@ -436,6 +609,19 @@ def _explode_refs(rows: pl.LazyFrame) -> pl.LazyFrame:
         .explode("images", "index")  # rows without images drop out
         .unnest("images")
         .select("run_id", "step", "sample_id", "group_id", "index", *IMAGE_COLUMNS)
+    )
+
+
+def _explode_videos(rows: pl.LazyFrame) -> pl.LazyFrame:
+    refs = rows.select("run_id", "step", "sample_id", "group_id", "videos")
+    return (
+        # Rows without videos (an empty list, or null: a file from before the column) first.
+        refs.filter(pl.col("videos").list.len() > 0)
+        .with_columns(video_index=pl.int_ranges(pl.col("videos").list.len(), dtype=pl.Int32))
+        .explode("videos", "video_index")
+        .unnest("videos")
+        .with_columns(n_frames=pl.col("frames").list.len().cast(pl.Int32))
+        .select("run_id", "step", "sample_id", "group_id", "video_index", *VIDEO_COLUMNS)
     )
 
 
@@ -464,6 +650,15 @@ def _ref_facts(
     return refs.with_columns(
         media_size=pl.col("uri").replace_strict(sizes, default=None, return_dtype=pl.Int64)
     ).join(dense, on=["layout_fingerprint", "width", "height"], how="left")
+
+
+def _clip_facts(store: Store, scanned: pl.LazyFrame) -> pl.DataFrame:
+    """Every video ref's run, step, uri and clip size (null when absent)."""
+    clips = _explode_videos(scanned).select(*SUMMARY_KEYS, "uri").collect()
+    sizes = _media_sizes(store, clips["uri"].unique().to_list()) if clips.height else {}
+    return clips.with_columns(
+        media_size=pl.col("uri").replace_strict(sizes, default=None, return_dtype=pl.Int64)
+    )
 
 
 def _media_sizes(store: Store, uris: Iterable[str]) -> dict[str, int | None]:
@@ -498,7 +693,8 @@ def _file_layouts(store: Store, paths: Sequence[str], progress: bool | None) -> 
 
 
 def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
-    """The ``mmstore.layouts`` of one footer, each checked to lay out an image."""
+    """The image layouts of one footer's ``mmstore.layouts``, each checked to lay out an
+    image (a video layout, which lays out clips, is skipped: dense bytes are images')."""
     try:
         found = json.loads(raw or b"{}")
         layouts = {}
@@ -506,6 +702,8 @@ def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
             try:
                 layout = layout_from_record(record)
             except UnsupportedProcessorError:  # a family this process does not know
+                continue
+            if is_video_layout(layout):
                 continue
             if any(isinstance(v, int) and v <= 0 for _, v in layout.parameters):
                 raise ValueError("non-positive layout parameter")

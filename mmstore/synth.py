@@ -29,7 +29,7 @@ from mmstore._rows.store import Store
 VISION_START, VISION_END = 151652, 151653
 TEXT_VOCAB = 150_000
 
-__all__ = ["grpo_rollouts", "photo", "screenshot", "write_grpo_steps"]
+__all__ = ["grpo_rollouts", "photo", "screen_recording", "screenshot", "write_grpo_steps"]
 
 
 def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
@@ -56,6 +56,38 @@ def screenshot(seed: int, width: int = 1920, height: int = 1080) -> Image.Image:
         x0, y0 = rng.randint(0, max(0, width - 60)), rng.randint(0, max(0, height - 30))
         draw.rounded_rectangle([x0, y0, x0 + 80, y0 + 28], radius=6, fill=accent)
     return image
+
+
+def screen_recording(
+    seed: int, num_frames: int = 24, width: int = 640, height: int = 400, fps: int = 12
+) -> bytes:
+    """A deterministic screen recording: a :func:`screenshot` whose cursor moves across it
+    and whose text lines appear one by one, as an MP4 (MPEG-4 Part 2, a keyframe every 12
+    frames); what ``store.put_video`` takes. Needs PyAV (the ``video`` extra); ``width`` and
+    ``height`` are rounded down to even numbers (yuv420p)."""
+    import io
+
+    import av  # the video extra
+
+    width, height = max(2, width - width % 2), max(2, height - height % 2)
+    base = screenshot(seed, width, height)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.gop_size = 12
+        stream.options = {"qscale": "3"}  # near-lossless and deterministic
+        for index in range(num_frames):
+            frame = base.copy()
+            draw = ImageDraw.Draw(frame)
+            x = (index * 37) % max(1, width - 12)
+            y = (index * 23) % max(1, height - 18)
+            draw.polygon([(x, y), (x + 12, y + 10), (x + 5, y + 11), (x, y + 18)], fill=0)
+            draw.rectangle([width // 5, height - 12, width // 5 + index * 6, height - 6], fill=0)
+            video_frame = av.VideoFrame.from_image(frame)
+            container.mux(stream.encode(video_frame))
+        container.mux(stream.encode())
+    return buffer.getvalue()
 
 
 def photo(seed: int, width: int = 640, height: int = 480) -> Image.Image:

@@ -320,6 +320,9 @@ QWEN_VL = FamilyCase(
         "attention_mask",
         "pixel_values",
         "image_grid_thw",
+        # the full processor's video half (None in a batch without videos)
+        "pixel_values_videos",
+        "video_grid_thw",
         "mm_token_type_ids",
     ),
     layout_changes=(
@@ -481,6 +484,9 @@ GLM4V = FamilyCase(
         "attention_mask",
         "pixel_values",
         "image_grid_thw",
+        # the full processor's video half (None in a batch without videos)
+        "pixel_values_videos",
+        "video_grid_thw",
         "mm_token_type_ids",
     ),
     layout_changes=(
@@ -627,7 +633,14 @@ KIMI_K25 = FamilyCase(
     ),
     store_sizes=((56, 42), (90, 31), (20, 70)),
     tiny_model=kimi_k25_model,
-    model_input_names=("input_ids", "attention_mask", "pixel_values", "image_grid_thw"),
+    model_input_names=(
+        "input_ids",
+        "attention_mask",
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",  # the full processor's video half (None without videos)
+        "video_grid_thw",
+    ),
     layout_changes=(
         {"max_patches": 1024},
         {"patch_size": 16},

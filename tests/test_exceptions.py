@@ -29,6 +29,8 @@ TREE = [
     (mmstore.NotAStoreError, FileNotFoundError),
     (mmstore.ImageDecodeError, ValueError),
     (mmstore.DecompressionBombError, ValueError),
+    (mmstore.VideoDecodeError, ValueError),
+    (mmstore.VideoBombError, ValueError),
     (mmstore.InvalidArgumentError, ValueError),
     (mmstore.CorruptFileError, ValueError),
     (mmstore.NoMatchError, LookupError),
@@ -68,6 +70,9 @@ def test_media_errors_share_a_parent():
     assert issubclass(mmstore.MediaNotFoundError, mmstore.MediaError)
     assert issubclass(mmstore.HashMismatchError, mmstore.MediaError)
     assert issubclass(mmstore.DecompressionBombError, mmstore.ImageDecodeError)
+    # A video bomb is caught by either handler a caller already has.
+    assert issubclass(mmstore.VideoBombError, mmstore.DecompressionBombError)
+    assert issubclass(mmstore.VideoBombError, mmstore.VideoDecodeError)
 
 
 def test_every_error_is_drawn_in_the_docstring_and_exported():

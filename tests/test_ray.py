@@ -346,3 +346,29 @@ def test_read_rollouts_with_its_defaults_finishes_on_a_two_cpu_ray(filled):
         pytest.fail(f"read_rollouts with its defaults hung on a 2-CPU Ray ({TWO_CPU_BOUND_S} s)")
     assert proc.returncode == 0, out[-4000:]
     assert "ROWS 24" in out, out[-4000:]
+
+
+def test_read_rollouts_materializes_videos_as_the_local_loader(cluster, tmp_path):
+    """Rows with a video, and rows without one, in one store: each row's video tensors (None
+    where it has none) equal the local loader's for that sample."""
+    from mmstore.synth import screen_recording
+    from tests.family_cases import QWEN_VL
+    from tests.test_video_loading import VIDEO_TEXT, small_video, write_rows
+
+    processor = small_video(QWEN_VL.small())
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    clip = store.put_video(screen_recording(3, num_frames=16, width=96, height=64))
+    write_rows(store, processor, [(VIDEO_TEXT, {"videos": [clip], "fps": 2.0}), ("", {})] * 2)
+    data = mmray.read_rollouts(store, processor, concurrency=1, resources=ON_WORKER_NODE)
+    rows = {r["sample_id"]: r for r in data.take_all()}
+    assert sorted(rows) == ["s0", "s1", "s2", "s3"]
+    local = mmstore.RolloutLoader(
+        mmstore.RolloutDataset(store, processor, dtype=torch.float32), batch_size=1
+    )
+    for batch in local:
+        row = rows[batch["sample_ids"][0]]
+        if batch["pixel_values_videos"] is None:
+            assert row["pixel_values_videos"] is None
+            continue
+        assert np.array_equal(row["pixel_values_videos"], batch["pixel_values_videos"].numpy())
+        assert row["video_grid_thw"].tolist() == batch["video_grid_thw"].tolist()

@@ -38,6 +38,7 @@ NEUTRAL_TYPES = {
     "int32": pa.int32(),
     "int64": pa.int64(),
     "float32": pa.float32(),
+    "float64": pa.float64(),
 }
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import mmstore
 from mmstore import wire
+from mmstore._format.models import MAX_REF_FRAMES
 
 SETTINGS = settings(max_examples=150, deadline=None)
 INT32_MAX = 2**31 - 1
@@ -205,3 +206,188 @@ def test_one_field_replaced_decodes_exactly_or_is_refused(field, value):
     # Accepted only when the value is a valid one for that field, and then kept as is.
     assert getattr(ref, field) == value
     assert type(getattr(ref, field)) is type(value)
+
+
+# -- video refs: ``mmvid:`` + JSON ---------------------------------------------------------
+
+GOOD_VIDEO: dict[str, Any] = {
+    "uri": "media/ab/cd/abcd0123456789abcdef0123456789ab.mp4",
+    "hash": "abcd0123456789abcdef0123456789ab",
+    "width": 168,
+    "height": 112,
+    "nbytes": 40960,
+    "num_frames": 24,
+    "fps": 12.0,
+    "frames": [0, 6, 12, 18],
+    "offset": 5,
+    "length": 48,
+    "family": "qwen-vl",
+    "layout_fingerprint": "0f1e2d3c4b5a6978",
+}
+
+
+@st.composite
+def video_refs(draw: st.DrawFn) -> mmstore.VideoRef:
+    num_frames = draw(st.integers(1, INT32_MAX))
+    frames = draw(
+        st.lists(st.integers(0, min(num_frames, 10**6) - 1), min_size=1, max_size=40, unique=True)
+        | st.just([num_frames - 1])
+    )
+    return mmstore.VideoRef(
+        uri=draw(st.text(min_size=1, max_size=80)),
+        hash=draw(st.text("0123456789abcdef", min_size=32, max_size=32)),
+        width=draw(st.integers(1, INT32_MAX)),
+        height=draw(st.integers(1, INT32_MAX)),
+        nbytes=draw(st.none() | st.integers(0, 2**62)),
+        num_frames=num_frames,
+        fps=draw(st.floats(min_value=0, exclude_min=True, allow_nan=False, allow_infinity=False)),
+        frames=sorted(frames),
+        offset=draw(st.integers(0, INT32_MAX)),
+        length=draw(st.integers(1, INT32_MAX)),
+        family=draw(st.text(min_size=1, max_size=12)),
+        layout_fingerprint=draw(st.text(min_size=1, max_size=20)),
+    )
+
+
+def _video_wire(fields: dict[str, Any]) -> str:
+    return wire.VIDEO_PREFIX + json.dumps(fields)
+
+
+@SETTINGS
+@given(video_refs())
+def test_video_round_trip(ref):
+    text = wire.encode(ref)
+    assert text.startswith(wire.VIDEO_PREFIX)
+    decoded = wire.decode(text)
+    assert isinstance(decoded, mmstore.VideoRef) and decoded == ref
+    fields = json.loads(text[len(wire.VIDEO_PREFIX) :])
+    assert None not in fields.values()
+    assert fields["frames"] == list(ref.frames)
+
+
+def test_video_encoding_is_compact_and_readable():
+    ref = mmstore.VideoRef(**GOOD_VIDEO)
+    text = wire.encode(ref)
+    assert text == wire.VIDEO_PREFIX + json.dumps(GOOD_VIDEO, separators=(",", ":"))
+    assert isinstance(wire.decode(text), mmstore.VideoRef)
+    assert isinstance(wire.decode(wire.encode(mmstore.ImageRef(**GOOD))), mmstore.ImageRef)
+
+
+def test_the_longest_frames_list_fits_the_video_bound():
+    # 4096 frames, each index the widest an int32 allows, behind a long uri: still a ref.
+    top = INT32_MAX
+    ref = mmstore.VideoRef(
+        **{
+            **GOOD_VIDEO,
+            "uri": "media/" + "u" * 2000,
+            "num_frames": top,
+            "frames": list(range(top - MAX_REF_FRAMES, top)),
+        }
+    )
+    text = wire.encode(ref)
+    assert wire.MAX_WIRE_CHARS < len(text) <= wire.MAX_VIDEO_WIRE_CHARS
+    assert wire.decode(text) == ref
+
+
+def test_oversize_video_input_is_refused_before_parsing():
+    over = wire.VIDEO_PREFIX + "[" * (wire.MAX_VIDEO_WIRE_CHARS + 1)
+    err = _refused(over, "exceeds")
+    assert str(wire.MAX_VIDEO_WIRE_CHARS) in str(err)
+    # The image bound is unchanged: a video-sized text behind the image prefix is refused.
+    _refused(wire.PREFIX + " " * wire.MAX_WIRE_CHARS, "exceeds")
+
+
+def test_kinds_do_not_mix():
+    # A video ref's JSON behind the image prefix, an image ref's behind the video prefix.
+    _refused(wire.PREFIX + json.dumps(GOOD_VIDEO), "xtra")
+    _refused(_video_wire(GOOD), "num_frames")
+    _refused("MMVID:" + json.dumps(GOOD_VIDEO), "must start with")
+
+
+def test_encode_takes_refs_only():
+    with pytest.raises(TypeError):
+        wire.encode(GOOD_VIDEO)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frames", 5),
+        ("frames", None),
+        ("frames", "0"),
+        ("frames", {"0": 1}),
+        ("frames", []),
+        ("frames", [0.0, 6]),
+        ("frames", [True]),
+        ("frames", ["0"]),
+        ("frames", [[0]]),
+        ("frames", [6, 0]),
+        ("frames", [0, 0]),
+        ("frames", [-1, 6]),
+        ("frames", [0, 24]),
+        ("frames", list(range(MAX_REF_FRAMES + 1))),
+        ("frames", [2**31]),
+        ("num_frames", 0),
+        ("num_frames", 24.0),
+        ("num_frames", "24"),
+        ("fps", 0),
+        ("fps", -12.0),
+        ("fps", "12"),
+        ("fps", None),
+        ("fps", [12.0]),
+        ("width", 0),
+        ("length", "48"),
+    ],
+)
+def test_malformed_video_fields_are_refused(field, value):
+    fields = {**GOOD_VIDEO, field: value}
+    if field == "frames" and value == list(range(MAX_REF_FRAMES + 1)):
+        fields["num_frames"] = MAX_REF_FRAMES + 1
+    _refused(_video_wire(fields), "invalid wire video ref")
+
+
+@pytest.mark.parametrize("fps", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_rates_are_refused(fps):
+    text = _video_wire(GOOD_VIDEO).replace('"fps": 12.0', f'"fps": {fps}')
+    assert fps in text
+    _refused(text, "fps")
+
+
+@pytest.mark.parametrize("field", sorted(set(GOOD_VIDEO) - {"nbytes"}))
+def test_missing_video_fields_are_refused(field):
+    _refused(_video_wire({k: v for k, v in GOOD_VIDEO.items() if k != field}), field)
+
+
+@pytest.mark.parametrize("extra", [{"pixel_values_videos": [1.0]}, {"payload": "x"}, {"": 0}])
+def test_extra_video_fields_are_refused(extra):
+    _refused(_video_wire({**GOOD_VIDEO, **extra}), "xtra")
+
+
+@SETTINGS
+@given(st.text())
+def test_random_text_behind_the_video_prefix_is_only_ever_a_wire_format_error(text):
+    with pytest.raises(mmstore.WireFormatError):
+        wire.decode(wire.VIDEO_PREFIX + text)
+
+
+@SETTINGS
+@given(json_values)
+def test_random_json_behind_the_video_prefix_is_only_ever_a_wire_format_error(value):
+    with pytest.raises(mmstore.WireFormatError):
+        wire.decode(_video_wire(value))  # type: ignore[arg-type]
+
+
+@SETTINGS
+@given(st.sampled_from(sorted(GOOD_VIDEO)), json_values)
+def test_one_video_field_replaced_decodes_exactly_or_is_refused(field, value):
+    try:
+        ref = wire.decode(_video_wire({**GOOD_VIDEO, field: value}))
+    except mmstore.WireFormatError:
+        return
+    got = getattr(ref, field)
+    if field == "frames":
+        assert list(got) == value
+    elif field == "fps":  # a JSON integer is a valid rate, read as a float
+        assert got == value and isinstance(got, float)
+    else:
+        assert got == value and type(got) is type(value)

@@ -20,9 +20,22 @@ from mmstore._families._registry import (
     layout_from_record,
     register_family,
     register_layout,
+    special_token_ids,
+    video_family_class,
+    video_family_for_layout,
+    video_half,
 )
+from mmstore._families._video import Clip, VideoFamily, is_video_layout, sampled_fps
 
 __all__ = [
+    "Clip",
+    "VideoFamily",
+    "is_video_layout",
+    "sampled_fps",
+    "special_token_ids",
+    "video_family_class",
+    "video_family_for_layout",
+    "video_half",
     "Collation",
     "Family",
     "Layout",

@@ -23,86 +23,45 @@ loader, collate and the vLLM integration ask the family.
 from __future__ import annotations
 
 import copy
-import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
-import xxhash
 
-from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, UnsupportedProcessorError
-from mmstore._format.models import ImageRef, MediaRef
+from mmstore._exceptions import (
+    InvalidArgumentError,
+    InvalidRolloutError,
+    LayoutMismatchError,
+    UnsupportedProcessorError,
+)
+from mmstore._families._layout import (
+    Collation,
+    Layout,
+    OfLayout,
+    Token,
+    published_token_ids,
+    tokenizer_ids,
+)
+from mmstore._format.models import ImageRef, MediaRef, VideoRef
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-# How one image tensor of a family is batched: "cat" concatenates the images' tensors along
-# their first axis (patch rows, or one row per image); "pad" zero-pads the trailing (spatial)
-# axes to the largest image of the batch first (Pixtral's native-resolution images).
-Collation = Literal["cat", "pad"]
+    from mmstore._families._video import VideoFamily
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How one family, with one set of processor parameters, lays images out as tokens."""
+class Expanded(NamedTuple):
+    """A prompt with its media expanded: the tokens, and the refs of its images and videos."""
 
-    family: str
-    parameters: tuple[tuple[str, Any], ...]
-    token_ids: tuple[tuple[str, int], ...]
-
-    @classmethod
-    def make(
-        cls, family: str, parameters: Mapping[str, Any], token_ids: Mapping[str, int]
-    ) -> Layout:
-        return cls(
-            family,
-            tuple(sorted(parameters.items())),
-            tuple(sorted((k, int(v)) for k, v in token_ids.items())),
-        )
-
-    @cached_property  # asked for several times per image read; the layout is frozen
-    def fingerprint(self) -> str:
-        # family + layout parameters only. For Qwen-VL this is byte for byte the canonical
-        # JSON of the first release, so stored fingerprints never change.
-        canonical = json.dumps(
-            {"family": self.family, **dict(self.parameters)}, sort_keys=True, separators=(",", ":")
-        )
-        return xxhash.xxh3_64_hexdigest(canonical.encode())
-
-    def param(self, name: str) -> Any:
-        return dict(self.parameters)[name]
-
-    def token_id(self, name: str) -> int:
-        return dict(self.token_ids)[name]
-
-    @property
-    def image_token_id(self) -> int:
-        return self.token_id("image_token_id")
-
-    @property
-    def pad_token_id(self) -> int:
-        """The token that pads a batch (the tokenizer's pad token)."""
-        return self.token_id("pad_token_id")
-
-    def params(self) -> dict[str, Any]:
-        """The footer record: family, layout parameters and token ids, flat."""
-        return {"family": self.family, **dict(self.parameters), **dict(self.token_ids)}
+    tokens: list[int]
+    images: list[ImageRef]
+    videos: list[VideoRef]
 
 
-@dataclass(frozen=True)
-class Token:
-    """One of a family's special tokens: its text in the tokenizer, and its id in the family's
-    published tokenizer (used when the adapter is built without a tokenizer)."""
-
-    text: str
-    published_id: int
-
-
-class Family(ABC):
+class Family(OfLayout, ABC):
     """One model family's image layout, processor call and model inputs.
 
     A new family (one module, or a third party's class given to
@@ -123,7 +82,9 @@ class Family(ABC):
     (:meth:`position_ids`) and vLLM's item (:meth:`vllm_item`).
 
     The rest is the adapter's public face and is not overridden: :attr:`family`,
-    :attr:`fingerprint`, :attr:`image_token_id`, :meth:`expand`, :meth:`process`.
+    :attr:`fingerprint`, :attr:`image_token_id`, :meth:`expand`, :meth:`expand_media`,
+    :meth:`process`, and :attr:`video`, the family's video half (a :class:`._video.VideoFamily`
+    registered beside it in :mod:`._registry`, bound to the full processor's video processor).
 
     Layout math reads ``self.layout`` only, never the processor: a family built from a layout
     alone (a footer) answers it, and expansions are cached per layout (:func:`expansion_array`).
@@ -144,6 +105,11 @@ class Family(ABC):
     position_rows: ClassVar[int] = 1
     #: the ``multi_modal_data`` key vLLM's processor for this family takes its images under
     vllm_modality: ClassVar[str] = "image"
+
+    #: the processor :meth:`mmstore.adapter_for` was given, and how the registry binds the
+    #: video half to its ``video_processor`` on first use of :attr:`video`
+    video_source: Any = None
+    video_binder: Callable[[Family], VideoFamily] | None = None
 
     def __init__(self, layout: Layout, image_processor: Any = None) -> None:
         if layout.family != self.name:
@@ -186,30 +152,13 @@ class Family(ABC):
     @classmethod
     def read_token_ids(cls, tokenizer: Any) -> dict[str, int]:
         """This family's token ids in ``tokenizer`` (those it has; published ids fill the rest)."""
-        ids: dict[str, int] = {}
-        unk = getattr(tokenizer, "unk_token_id", None)
-        for key, token in cls.token_table.items():
-            token_id = tokenizer.convert_tokens_to_ids(token.text)
-            if isinstance(token_id, int) and token_id != unk:
-                ids[key] = token_id
-        pad = getattr(tokenizer, "pad_token_id", None)
-        if isinstance(pad, int):
-            ids["pad_token_id"] = pad
-        return ids
+        return tokenizer_ids(cls.token_table, tokenizer)
 
     def __repr__(self) -> str:
         backend = type(self.image_processor).__name__ if self.image_processor else "layout only"
         return f"{type(self).__name__}({backend}, fingerprint={self.fingerprint!r})"
 
     # -- identity ---------------------------------------------------------------------
-
-    @property
-    def family(self) -> str:
-        return self.layout.family
-
-    @property
-    def fingerprint(self) -> str:
-        return self.layout.fingerprint
 
     @property
     def image_token_id(self) -> int:
@@ -312,9 +261,13 @@ class Family(ABC):
     # -- the model's inputs -----------------------------------------------------------
 
     def position_ids(
-        self, input_ids: torch.Tensor, images: Sequence[Mapping[str, torch.Tensor]]
+        self,
+        input_ids: torch.Tensor,
+        images: Sequence[Mapping[str, torch.Tensor]],
+        videos: Sequence[Mapping[str, torch.Tensor]] = (),
     ) -> torch.Tensor:
-        """Position ids of one sample run alone, ``[position_rows, L]`` (1-D RoPE: 0..L-1)."""
+        """Position ids of one sample run alone, ``[position_rows, L]`` (1-D RoPE: 0..L-1);
+        ``videos``: each video's tensors (the video half's inputs), in span order."""
         import torch
 
         return torch.arange(input_ids.shape[-1], dtype=torch.int64)[None]
@@ -322,6 +275,20 @@ class Family(ABC):
     def vllm_item(self, image: Image.Image, uuid: str) -> Any:
         """One image as an item of vLLM's ``multi_modal_data[vllm_modality]`` (the image)."""
         return image
+
+    # -- video ------------------------------------------------------------------------
+
+    @cached_property
+    def video(self) -> VideoFamily:
+        """The family's video half, bound to the full processor's video processor; raises
+        :class:`UnsupportedProcessorError` for a family without video (Gemma 3, Pixtral) or
+        an adapter built without a video processor."""
+        if self.video_binder is None:
+            raise UnsupportedProcessorError(
+                f"{self!r} has no video processor: build it with mmstore.adapter_for(full "
+                "processor)"
+            )
+        return self.video_binder(self)
 
     # -- the rollout side -------------------------------------------------------------
 
@@ -332,43 +299,82 @@ class Family(ABC):
 
         The returned refs carry their spans, this family's name and fingerprint.
         """
+        tokens, images, _ = self.expand_media(token_ids, images=media)
+        return tokens, images
+
+    def expand_media(
+        self,
+        token_ids: Sequence[int],
+        *,
+        images: Sequence[MediaRef | ImageRef] = (),
+        videos: Sequence[MediaRef] = (),
+        fps: float | None = None,
+        num_frames: int | None = None,
+        frames: Sequence[Sequence[int]] | None = None,
+    ) -> Expanded:
+        """Replace the i-th image token by the expansion of ``images[i]`` and the i-th video
+        token by that of ``videos[i]``: the tokens and both kinds of refs, spans in place.
+
+        A video's frames are what the video processor samples (its own ``sample_frames``,
+        with its configured or the given ``fps``/``num_frames``), or ``frames[i]``
+        explicitly; the ref records them, so readers decode and lay out exactly those.
+        """
         token_list = [int(t) for t in token_ids]
-        positions = [i for i, t in enumerate(token_list) if t == self.image_token_id]
-        if len(positions) != len(media):
-            raise InvalidRolloutError(
-                f"{len(positions)} image placeholder tokens ({self.image_token_id}) but "
-                f"{len(media)} images to expand: put one adapter.image_token_id in the prompt "
-                "per image"
-            )
-        out: list[int] = []
-        refs: list[ImageRef] = []
-        start = 0
-        for pos, item in zip(positions, media, strict=True):
-            out.extend(token_list[start:pos])
-            expansion = self.expansion(item.width, item.height)
-            refs.append(
-                ImageRef(
-                    uri=item.uri,
-                    hash=item.hash,
-                    width=item.width,
-                    height=item.height,
-                    nbytes=item.nbytes,
-                    offset=len(out),
-                    length=len(expansion),
-                    family=self.family,
-                    layout_fingerprint=self.fingerprint,
-                    payload=getattr(item, "payload", None),
+        for item in images:
+            if getattr(item, "kind", "image") != "image":
+                raise InvalidArgumentError(f"{item.uri} is a video: pass it in videos=")
+        video = self.video if videos else None
+        if video is None and frames:
+            raise InvalidArgumentError("frames= given without videos")
+        if frames is not None and len(frames) != len(videos):
+            raise InvalidArgumentError(f"{len(frames)} frame lists for {len(videos)} videos")
+        ids = {self.image_token_id: "image"}
+        if video is not None:
+            ids[video.video_token_id] = "video"
+        at = [(i, ids[t]) for i, t in enumerate(token_list) if t in ids]
+        for kind, given in (("image", images), ("video", videos)):
+            found = sum(1 for _, k in at if k == kind)
+            if found != len(given) and (given or kind == "image"):
+                token = self.image_token_id if kind == "image" else video.video_token_id  # type: ignore[union-attr]
+                raise InvalidRolloutError(
+                    f"{found} {kind} placeholder tokens ({token}) but {len(given)} {kind}s to "
+                    f"expand: put one {kind} token in the prompt per {kind}"
                 )
-            )
-            out.extend(expansion)
+        pending_images, pending_videos = iter(images), iter(enumerate(videos))
+        out: list[int] = []
+        image_refs: list[ImageRef] = []
+        video_refs: list[VideoRef] = []
+        start = 0
+        for pos, kind in at:
+            out.extend(token_list[start:pos])
+            if kind == "image":
+                image_refs.append(self._image_ref(next(pending_images), offset=len(out)))
+                out.extend(self.expansion(image_refs[-1].width, image_refs[-1].height))
+            else:
+                assert video is not None
+                index, media = next(pending_videos)
+                picked = frames[index] if frames is not None else None
+                if picked is None:
+                    picked = video.sample(media, fps=fps, num_frames=num_frames)
+                video_refs.append(video.ref(media, picked, offset=len(out)))
+                out.extend(video.expansion(video_refs[-1]))
             start = pos + 1
         out.extend(token_list[start:])
-        return out, refs
+        return Expanded(out, image_refs, video_refs)
 
-
-def published_token_ids(family: type[Family]) -> dict[str, int]:
-    """The ids of ``family``'s special tokens in its published tokenizer, by name."""
-    return {key: token.published_id for key, token in family.token_table.items()}
+    def _image_ref(self, item: MediaRef | ImageRef, offset: int) -> ImageRef:
+        return ImageRef(
+            uri=item.uri,
+            hash=item.hash,
+            width=item.width,
+            height=item.height,
+            nbytes=item.nbytes,
+            offset=offset,
+            length=self.num_tokens(item.width, item.height),
+            family=self.family,
+            layout_fingerprint=self.fingerprint,
+            payload=getattr(item, "payload", None),
+        )
 
 
 def expansion_array(family: Family, width: int, height: int) -> np.ndarray:

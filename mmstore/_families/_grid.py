@@ -5,7 +5,8 @@ Each resizes an image its own way (:meth:`GridFamily.resize`) and cuts it into a
 one image token (the expansion is that token repeated), the model takes ``pixel_values``
 (patch rows) and ``image_grid_thw``, and the processor's grid tells how many tokens its
 output fills. Qwen-VL and GLM-4V agree further (:class:`SmartResizeFamily`): the same
-processor parameters, a ``smart_resize`` into a pixel budget, M-RoPE positions.
+processor parameters, a ``smart_resize`` into a pixel budget, M-RoPE positions. Their
+videos share :class:`PatchVideo` the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 
 from mmstore._exceptions import ImageSizeError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, size_value
+from mmstore._families._video import Clip, VideoFamily
+from mmstore._format.models import VideoRef
 
 
 class GridFamily(Family):
@@ -145,3 +148,99 @@ def weightless_rope_index(model_cls: Any, merge_size: int) -> Callable[..., Any]
     )
     owner.get_vision_position_ids = MethodType(model_cls.get_vision_position_ids, owner)
     return MethodType(model_cls.get_rope_index, owner)
+
+
+class PatchVideo(VideoFamily):
+    """The patch-grid video families' shared half: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V.
+
+    Each resizes a ref's frames its own way (:meth:`resized`) and pads them to a multiple of
+    ``temporal_patch_size`` by repeating the last; from there they agree: a ``(t, h, w)``
+    grid of patches, ``merge_size**2`` patches of a slab per feature token, the model takes
+    ``pixel_values_videos`` (patch rows) and one ``video_grid_thw`` row per video, and
+    ``mm_token_type_ids`` is 2 on the video's features.
+    """
+
+    #: the transformers video processor class (its name) the family lays out
+    processor_name: ClassVar[str]
+    #: the family's name in messages ("Qwen-VL")
+    title: ClassVar[str]
+    video_inputs: ClassVar[Mapping[str, Collation]] = {
+        "pixel_values_videos": "cat",
+        "video_grid_thw": "cat",
+    }
+    token_type = 2
+
+    @classmethod
+    def grid_parameters(cls, video_processor: Any) -> dict[str, Any]:
+        """The parameters every patch-grid video layout hashes; refuses another processor
+        class, or one that does not resize."""
+        name = type(video_processor).__name__
+        if name != cls.processor_name:
+            raise UnsupportedProcessorError(
+                f"{name}: {cls.__name__} lays out {cls.processor_name} videos"
+            )
+        if not getattr(video_processor, "do_resize", True):
+            raise UnsupportedProcessorError(
+                f"{name} has do_resize=False: its video token layout is not the {cls.title} one"
+            )
+        size = video_processor.size
+        return {
+            "patch_size": int(video_processor.patch_size),
+            "temporal_patch_size": int(video_processor.temporal_patch_size),
+            "merge_size": int(video_processor.merge_size),
+            "min_pixels": size_value(size, "shortest_edge", "min_pixels"),
+            "max_pixels": size_value(size, "longest_edge", "max_pixels"),
+        }
+
+    @abstractmethod
+    def resized(self, ref: VideoRef | Clip) -> tuple[int, int]:
+        """``(height, width)`` the processor resizes the ref's frames to."""
+
+    def num_frames(self, ref: VideoRef | Clip) -> int:
+        """How many frames the processor gets for the ref (GLM-4.1V's are made even)."""
+        return len(ref.frames)
+
+    def grid(self, ref: VideoRef | Clip) -> tuple[int, int, int]:
+        """``(t, h, w)`` patch grid of the ref's frames, exactly as the processor's."""
+        height, width = self.resized(ref)
+        p = self.layout.param
+        t = -(-self.num_frames(ref) // p("temporal_patch_size"))
+        return t, height // p("patch_size"), width // p("patch_size")
+
+    def slab_tokens(self, ref: VideoRef | Clip) -> int:
+        """Feature tokens of one ``temporal_patch_size``-frame slab."""
+        _, h, w = self.grid(ref)
+        return h * w // self.layout.param("merge_size") ** 2
+
+    def bracketed_slab(self, ref: VideoRef | Clip, start: str, end: str) -> tuple[int, ...]:
+        """One slab's feature tokens between the tokens named ``start`` and ``end``."""
+        tid = self.layout.token_id
+        return (tid(start), *[self.feature_token_id] * self.slab_tokens(ref), tid(end))
+
+    def integer_tensors(self, ref: VideoRef | Clip) -> dict[str, np.ndarray]:
+        return {"video_grid_thw": np.asarray([self.grid(ref)], dtype=np.int64)}
+
+    def placeholder(self, ref: VideoRef | Clip) -> dict[str, np.ndarray]:
+        t, h, w = self.grid(ref)
+        p = self.layout.param
+        width = 3 * p("temporal_patch_size") * p("patch_size") ** 2
+        return {
+            "pixel_values_videos": np.zeros((t * h * w, width), dtype=np.float32),
+            **self.integer_tensors(ref),
+        }
+
+    def output_tokens(self, outputs: Mapping[str, Any]) -> int:
+        grid = np.asarray(outputs["video_grid_thw"]).reshape(-1, 3)
+        return int(grid.prod(axis=1).sum()) // self.layout.param("merge_size") ** 2
+
+    def processor_kwargs(self, ref: VideoRef) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"do_sample_frames": False}  # the ref's frames, no others
+        if "cap_pixels_per_frame" in dict(self.layout.parameters):  # Qwen's: as recorded
+            kwargs["cap_pixels_per_frame"] = self.layout.param("cap_pixels_per_frame")
+        return kwargs
+
+    def resize_error(self, ref: VideoRef | Clip, exc: ValueError) -> ImageSizeError:
+        """transformers' refusal (an aspect ratio beyond 200:1, too few frames), typed."""
+        return ImageSizeError(
+            f"{self.num_frames(ref)} frames of a {ref.width}x{ref.height} video: {exc}"
+        )

@@ -11,10 +11,13 @@ resize differently, and a wrong layout would fail silently.
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 from mmstore._exceptions import InvalidArgumentError, UnsupportedProcessorError
-from mmstore._families._base import Family, Layout, published_token_ids
+from mmstore._families._base import Family
+from mmstore._families._layout import Layout, published_token_ids
+from mmstore._families._video import VideoFamily, is_video_layout
 
 _TF = "transformers.models."
 
@@ -25,6 +28,14 @@ _FAMILIES: dict[str, str] = {
     "kimi-k25": "mmstore._families.kimi_k25.KimiK25",
     "gemma3": "mmstore._families.gemma3.Gemma3",
     "pixtral": "mmstore._families.pixtral.Pixtral",
+}
+
+# family name -> "module.Class" of its VideoFamily (the families with a video layout)
+_VIDEO_FAMILIES: dict[str, str] = {
+    # Qwen3-VL too: QwenVLVideo.class_for_processor/class_for_parameters pick Qwen3VLVideo
+    "qwen-vl": "mmstore._families.qwen_vl.QwenVLVideo",
+    "glm4v": "mmstore._families.glm4v.Glm4vVideo",
+    "kimi-k25": "mmstore._families.kimi_k25.KimiK25Video",
 }
 
 # image processor class ("module.QualName") -> family name
@@ -103,12 +114,18 @@ def family_class(name: str) -> type[Family]:
     return _LOADED[name]
 
 
-def adapter_for(processor: Any, *, image_token_id: int | None = None) -> Family:
+def adapter_for(
+    processor: Any, *, image_token_id: int | None = None, video_processor: Any = None
+) -> Family:
     """The family adapter for a transformers image processor or full processor.
 
     A full processor (image processor + tokenizer) supplies the token ids from its tokenizer;
-    an image processor alone gets the family's published ids.
+    an image processor alone gets the family's published ids. The adapter's video half
+    (:attr:`Family.video`) binds to the full processor's video processor, or to
+    ``video_processor`` given beside an image processor. An adapter is its own adapter.
     """
+    if isinstance(processor, Family):
+        return processor
     image_processor = getattr(processor, "image_processor", processor)
     cls = type(image_processor)
     key = f"{cls.__module__}.{cls.__qualname__}"
@@ -120,15 +137,61 @@ def adapter_for(processor: Any, *, image_token_id: int | None = None) -> Family:
             + "; a subclass needs its own family (mmstore.register_family)"
         )
     adapter = family_class(name).from_processor(processor, image_token_id=image_token_id)
+    if video_processor is not None:
+        if processor is not image_processor:
+            raise InvalidArgumentError(
+                "video_processor= is for an image processor alone; a full processor brings its own"
+            )
+        processor = SimpleNamespace(
+            image_processor=image_processor, video_processor=video_processor
+        )
+    adapter.video_source = processor  # its video half is bound on first use (Family.video)
+    adapter.video_binder = video_adapter_for
     register_layout(adapter.layout)  # readers of this process can now redo its layout math
     return adapter
+
+
+def video_half(adapter: Family) -> VideoFamily | None:
+    """``adapter.video``, or None where the family or its processor has no video half."""
+    try:
+        return adapter.video
+    except UnsupportedProcessorError:
+        return None
+
+
+def video_family_class(name: str) -> type[VideoFamily]:
+    """The :class:`VideoFamily` of family ``name``; a family without one is refused."""
+    path = _VIDEO_FAMILIES.get(name)
+    if path is None:
+        raise UnsupportedProcessorError(
+            f"the {name!r} family has no video layout in mmstore (families with video: "
+            f"{', '.join(sorted(_VIDEO_FAMILIES))})"
+        )
+    module, _, attr = path.rpartition(".")
+    cls: type[VideoFamily] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def video_adapter_for(adapter: Family) -> VideoFamily:
+    """The video half of ``adapter``, bound to the video processor of the processor it was
+    built from (:attr:`Family.video`)."""
+    cls = video_family_class(adapter.family)
+    source = adapter.video_source
+    if source is None or getattr(source, "video_processor", None) is None:
+        raise UnsupportedProcessorError(
+            f"{adapter!r} was built without a video processor: pass the full processor "
+            "(with its video_processor) to mmstore.adapter_for"
+        )
+    video = cls.from_processor(source, dict(adapter.layout.token_ids))
+    register_layout(video.layout)
+    return video
 
 
 def register_layout(layout: Layout) -> None:
     # The fingerprint leaves token ids out, so two adapters of one layout may differ in them;
     # the registry keeps the family's published ids, never whichever adapter came last. Rows
     # of a custom tokenizer are checked against their own adapter (``writer(adapter=...)``).
-    published = published_token_ids(family_class(layout.family))
+    published = published_token_ids(_class_of(layout))
     _LAYOUTS[layout.fingerprint] = Layout.make(
         layout.family, dict(layout.parameters), {**dict(layout.token_ids), **published}
     )
@@ -144,22 +207,55 @@ def layout_for_fingerprint(fingerprint: str) -> Layout | None:
     return _LAYOUTS.get(fingerprint)
 
 
+def _class_of(layout: Layout) -> type[Family] | type[VideoFamily]:
+    if is_video_layout(layout):
+        return _video_class_of(layout)
+    return family_class(layout.family)
+
+
+def _video_class_of(layout: Layout) -> type[VideoFamily]:
+    return video_family_class(layout.family).class_for_parameters(dict(layout.parameters))
+
+
 _BY_LAYOUT: dict[Layout, Family] = {}
+_VIDEO_BY_LAYOUT: dict[Layout, VideoFamily] = {}
 
 
 def family_for_layout(layout: Layout) -> Family:
     """A layout-only family instance (layout math without a processor), one per layout."""
+    if is_video_layout(layout):
+        raise InvalidArgumentError(f"a video layout where an image layout belongs: {layout}")
     family = _BY_LAYOUT.get(layout)
     if family is None:
         family = _BY_LAYOUT[layout] = family_class(layout.family)(layout)
     return family
 
 
+def video_family_for_layout(layout: Layout) -> VideoFamily:
+    """A layout-only video family instance, one per video layout."""
+    family = _VIDEO_BY_LAYOUT.get(layout)
+    if family is None:
+        family = _VIDEO_BY_LAYOUT[layout] = _video_class_of(layout)(layout)
+    return family
+
+
+def special_token_ids(layout: Layout) -> frozenset[int]:
+    """Tokens only the spans of ``layout``'s media hold (an image or a video layout)."""
+    if is_video_layout(layout):
+        return video_family_for_layout(layout).special_token_ids
+    return family_for_layout(layout).special_token_ids
+
+
 def layout_from_record(record: dict[str, Any]) -> Layout:
     """A layout from a footer record (``Layout.params()``); unknown keys are refused."""
     if not isinstance(record, dict) or not isinstance(record.get("family"), str):
         raise InvalidArgumentError(f"layout record without a family: {record!r}")
-    cls = family_class(record["family"])
+    video = record.get("media") == "video"
+    cls: type[Family] | type[VideoFamily] = (
+        video_family_class(record["family"]).class_for_parameters(record)
+        if video
+        else family_class(record["family"])
+    )
     params = {k: record[k] for k in cls.parameter_names if k in record}
     missing = set(cls.parameter_names) - params.keys()
     if missing:
@@ -168,4 +264,6 @@ def layout_from_record(record: dict[str, Any]) -> Layout:
     for key, value in record.items():
         if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool):
             token_ids[key] = value
+    if video:
+        params["media"] = "video"
     return Layout.make(cls.name, params, token_ids)

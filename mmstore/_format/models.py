@@ -6,10 +6,11 @@ never builds these objects.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,12 @@ from mmstore._exceptions import InvalidRolloutError
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 
 HASH_PATTERN = r"^[0-9a-f]{32}$"
+# A video ref names at most this many frames: a model's context holds a few thousand, and a
+# forged ref must not make a reader decode a whole long clip.
+MAX_REF_FRAMES = 4096
+# A stored clip holds at most this many frames (about 9.7 hours at 30 fps): put_video and
+# readers count a clip's frames by demuxing, and stop counting past it.
+MAX_CLIP_FRAMES = 2**20
 INT32_MAX = 2**31 - 1
 
 # Keys of dense multimodal tensors that trainers ship around; a rollout never carries them.
@@ -44,7 +51,8 @@ DENSE_KEYS = frozenset(
 
 
 class MediaRef(BaseModel):
-    """One content-addressed media file in a store."""
+    """One content-addressed media file in a store: an image, or a video clip (``kind``),
+    whose frame count and average frame rate ``put_video`` read from the container."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -53,6 +61,15 @@ class MediaRef(BaseModel):
     width: int = Field(gt=0, le=INT32_MAX)
     height: int = Field(gt=0, le=INT32_MAX)
     nbytes: int | None = Field(default=None, ge=0)
+    kind: Literal["image", "video"] = "image"
+    num_frames: int | None = Field(default=None, gt=0, le=INT32_MAX)
+    fps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _video_has_frames(self) -> MediaRef:
+        if (self.kind == "video") != (self.num_frames is not None and self.fps is not None):
+            raise ValueError("a video has num_frames and fps, an image neither")
+        return self
 
 
 class ImageRef(BaseModel):
@@ -70,6 +87,52 @@ class ImageRef(BaseModel):
     family: str = Field(min_length=1)
     layout_fingerprint: str = Field(min_length=1)
     payload: str | None = None
+
+
+class VideoRef(BaseModel):
+    """One video of a rollout: the clip, the frames its tokens were laid out for, and the
+    token span they fill (timestamps included where the family writes them).
+
+    ``frames`` are indices in presentation order, strictly increasing, within the clip's
+    ``num_frames``; a frame's timestamp is ``index / fps``, and the rate they were sampled at
+    is ``len(frames) / num_frames * fps`` (transformers' ``VideoMetadata.sampled_fps``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str = Field(min_length=1)
+    hash: str = Field(pattern=HASH_PATTERN)
+    width: int = Field(gt=0, le=INT32_MAX)
+    height: int = Field(gt=0, le=INT32_MAX)
+    nbytes: int | None = Field(default=None, ge=0)
+    num_frames: int = Field(gt=0, le=INT32_MAX)
+    fps: float = Field(gt=0, allow_inf_nan=False)
+    frames: tuple[int, ...] = Field(min_length=1, max_length=MAX_REF_FRAMES)
+    offset: int = Field(ge=0, le=INT32_MAX)
+    length: int = Field(gt=0, le=INT32_MAX)
+    family: str = Field(min_length=1)
+    layout_fingerprint: str = Field(min_length=1)
+
+    @field_validator("frames", mode="before")
+    @classmethod
+    def _frame_list(cls, value: Any) -> Any:
+        value = _to_list(value)  # numpy arrays and tensors of indices, as lists
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"frames must be a list of frame indices, got {type(value).__name__}")
+        return tuple(value)
+
+    @model_validator(mode="after")
+    def _frames_in_clip(self) -> VideoRef:
+        frames = self.frames
+        if any(b <= a for a, b in itertools.pairwise(frames)):
+            raise ValueError("frames must be strictly increasing")
+        if frames[0] < 0 or frames[-1] >= self.num_frames:
+            raise ValueError(f"frames must lie within the clip's {self.num_frames} frames")
+        return self
+
+    def model_dump_row(self) -> dict[str, Any]:
+        """The ref as its Arrow struct's values."""
+        return {**self.model_dump(), "frames": list(self.frames)}
 
 
 def _to_list(value: Any) -> Any:
@@ -174,6 +237,7 @@ class Rollout(BaseModel):
     reward: float | None = None
     advantage: float | None = None
     images: list[ImageRef] = Field(default_factory=list)
+    videos: list[VideoRef] = Field(default_factory=list)
     metadata: str | None = None
     # The policy (weights version) that generated the sample, for the live loader's
     # staleness bound; a multi-turn sample carries the oldest. None: unknown, never stale.
@@ -210,6 +274,19 @@ class Rollout(BaseModel):
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _to_list(value)
+
+    @field_validator("videos", mode="before")
+    @classmethod
+    def _videos(cls, value: Any) -> Any:
+        if value is None:  # a file written before the column: no videos
+            return []
+        if isinstance(value, list | tuple) and any(isinstance(v, MediaRef) for v in value):
+            raise ValueError(
+                "got a MediaRef (what put_video returns), which has no token span: call "
+                "expanded = adapter.expand_media(token_ids, videos=[media, ...]) and pass "
+                "expanded.tokens and expanded.videos"
+            )
+        return value
 
     @field_validator("images", mode="before")
     @classmethod
@@ -314,7 +391,7 @@ def with_optional_columns(table: pa.Table | pa.RecordBatch) -> pa.Table | pa.Rec
 
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
     """Rollouts as an Arrow table of the v1 schema."""
-    rows = [r.model_dump() for r in rollouts]
+    rows = [{**r.model_dump(), "videos": [v.model_dump_row() for v in r.videos]} for r in rollouts]
     return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
 
 

@@ -44,6 +44,26 @@ IMAGE_REF_TYPE = pa.struct(
     ]
 )
 
+# One video of a rollout: the clip (content-addressed like an image), the frames its tokens
+# were laid out for (indices in presentation order, as the processor sampled them), the
+# clip's frame size, frame count and rate (timestamps are index / fps), and its token span.
+VIDEO_REF_TYPE = pa.struct(
+    [
+        pa.field("uri", pa.string(), nullable=False),
+        pa.field("hash", pa.string(), nullable=False),
+        pa.field("width", pa.int32(), nullable=False),
+        pa.field("height", pa.int32(), nullable=False),
+        pa.field("nbytes", pa.int64(), nullable=True),
+        pa.field("num_frames", pa.int32(), nullable=False),
+        pa.field("fps", pa.float64(), nullable=False),
+        pa.field("frames", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
+        pa.field("offset", pa.int32(), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("family", pa.string(), nullable=False),
+        pa.field("layout_fingerprint", pa.string(), nullable=False),
+    ]
+)
+
 ROLLOUT_SCHEMA = pa.schema(
     [
         pa.field("sample_id", pa.string(), nullable=False),
@@ -65,6 +85,11 @@ ROLLOUT_SCHEMA = pa.schema(
         # The policy (weights version) that generated the sample; a multi-turn sample carries
         # the oldest. Added after the first release: files without it read as unknown (null).
         pa.field("policy_version", pa.int64(), nullable=True),
+        # Video clips of the prompt (refs, like images). Added after the first release: files
+        # without it read as null, which is no videos.
+        pa.field(
+            "videos", pa.list_(pa.field("item", VIDEO_REF_TYPE, nullable=False)), nullable=True
+        ),
     ],
     metadata={META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()},
 )
@@ -136,6 +161,7 @@ _TYPE_NAMES = {
     pa.int32(): "int32",
     pa.int64(): "int64",
     pa.float32(): "float32",
+    pa.float64(): "float64",
 }
 
 
@@ -182,8 +208,9 @@ ROW_COLUMNS = [
     "reward",
     "advantage",
     "images",
+    "videos",
 ]
 # Columns added to the v1 schema since files were first written: a file may lack them, and a
 # reader of such a file sees nulls (never an error).
-OPTIONAL_COLUMNS = ("policy_version",)
+OPTIONAL_COLUMNS = ("policy_version", "videos")
 FILE_COLUMN = "_file"  # the committed file each row came from, added by the loader's scan

@@ -9,9 +9,10 @@ commits every copied file in one transaction, after all of them are in place.
 Refs to external media (absolute ``file://`` / ``s3://`` URIs under a trusted root) would
 tie the export to machines that can reach them, so their bytes are copied into the export's
 ``media/`` and the rows of those files are rewritten to the store-relative URI; only the
-``uri`` field changes. Every rollout file is first read as the loader reads it (page
-checksums, the row checks and bounds) before anything is written: a rotted page or a forged
-row stops the export with a typed error naming it, instead of becoming a clean-looking copy.
+``uri`` field changes, in image and video refs alike. Every rollout file is first read as
+the loader reads it (page checksums, the row checks and bounds) before anything is
+written: a rotted page or a forged row stops the export with a typed error naming it,
+instead of becoming a clean-looking copy.
 Every media file is hash-checked when read from the source and again when read back from
 the export; every Parquet file is read back and compared too. Media is
 written before the rows that reference it, and the files before the commit that lists
@@ -37,11 +38,15 @@ from mmstore._exceptions import (
     NotAStoreError,
 )
 from mmstore._format.media import FORMAT_EXTENSIONS, content_hash, media_path, probe
+from mmstore._format.models import MAX_CLIP_FRAMES
+from mmstore._format.video import probe_video
 from mmstore._progress import bar
 from mmstore._rows.check import read_checked
 from mmstore._rows.files import (
+    MEDIA_COLUMNS,
     check_run_id,
     flatten_refs,
+    index_column,
     read_ref_columns,
     reading,
     select_files,
@@ -56,6 +61,8 @@ from mmstore._storage.backends import Backend
 
 COPY_THREADS = 8
 MediaKey = tuple[str, str]  # (uri, hash) as the source rows spell it
+# Each media key -> its column (images or videos) and where it is first used (for errors).
+MediaUses = dict[MediaKey, tuple[str, dict[str, Any]]]
 
 
 def export(
@@ -74,7 +81,7 @@ def export(
     selected = select_files(store, runs, steps, version=version)
     if not selected:
         raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
-    media: dict[MediaKey, dict[str, Any]] = {}  # each media key -> where it is first used
+    media: MediaUses = {}
     # Every file is read and checked before the destination is created: a file that fails
     # (bit rot, a forged row) stops the export with nothing written.
     for file in selected:
@@ -97,24 +104,26 @@ def export(
     return target
 
 
-def _collect_refs(store: Store, path: str, media: dict[MediaKey, dict[str, Any]]) -> str:
+def _collect_refs(store: Store, path: str, media: MediaUses) -> str:
     """Check one file as the loader reads it (:func:`read_checked`: every page's checksum,
-    every row's checks and bounds) and note the media its rows use; the content hash of
-    the bytes checked, so that the copy is known to be of those very bytes."""
+    every row's checks and bounds) and note the media its rows use (images and videos);
+    the content hash of the bytes checked, so that the copy is known to be of those very
+    bytes."""
     with reading(path):
         data = store.backend.read(path)
         parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
         rows = read_checked(parquet, path, max_pixels=store.max_image_pixels)
-    refs = flatten_refs(rows)
-    firsts = refs.group_by(["uri", "hash"], use_threads=False).aggregate(
-        [("sample_id", "first"), ("image_index", "first")]
-    )
-    for uri, digest, sample_id, index in zip(
-        *(firsts.column(c).to_pylist() for c in firsts.column_names), strict=True
-    ):
-        media.setdefault(
-            (uri, digest), {**where_of_file(path), "sample_id": sample_id, "image_index": index}
+    for column in MEDIA_COLUMNS:
+        index = index_column(column)
+        refs = flatten_refs(rows, column)
+        firsts = refs.group_by(["uri", "hash"], use_threads=False).aggregate(
+            [("sample_id", "first"), (index, "first")]
         )
+        for uri, digest, sample_id, position in zip(
+            *(firsts.column(c).to_pylist() for c in firsts.column_names), strict=True
+        ):
+            where = {**where_of_file(path), "sample_id": sample_id, index: position}
+            media.setdefault((uri, digest), (column, where))
     return content_hash(data)
 
 
@@ -131,21 +140,31 @@ def _create_empty(dest: str, s3_options: dict[str, Any]) -> Store:
 
 
 def _copy_media(
-    store: Store, target: Store, key: MediaKey, where: dict[str, Any]
+    store: Store, target: Store, key: MediaKey, use: tuple[str, dict[str, Any]]
 ) -> tuple[MediaKey, str]:
     """Copy one media file, verified on both sides; return its store-relative URI there."""
     uri, digest = key
+    column, where = use
     try:
         backend, rel = store.resolve(uri)
         data = store.read_media(uri, digest)
         if backend is not store.backend:  # external: into media/, under its canonical name
-            fmt, _, _ = probe(data, max_pixels=store.max_image_pixels, where=uri)
-            rel = media_path(digest, FORMAT_EXTENSIONS[fmt][0])
+            rel = media_path(digest, _extension(store, column, data, uri))
     except MmstoreError as exc:  # name the row that needs these bytes
         raise exc.with_context(**where) from None
     target.backend.write_atomic(rel, data, replace=False)
     target.read_media(rel, digest)
     return key, rel
+
+
+def _extension(store: Store, column: str, data: bytes, uri: str) -> str:
+    """The extension ``put_image`` / ``put_video`` would store these bytes under (probed:
+    an external file's own name says nothing the bytes do not)."""
+    if column == "videos":
+        limits = {"max_pixels": store.max_image_pixels, "max_frames": MAX_CLIP_FRAMES}
+        return probe_video(data, **limits, where=uri).ext
+    fmt, _, _ = probe(data, max_pixels=store.max_image_pixels, where=uri)
+    return FORMAT_EXTENSIONS[fmt][0]
 
 
 def _copy_rollout_file(
@@ -161,12 +180,20 @@ def _copy_rollout_file(
             **where_of_file(path),
         )
     parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-    uris = read_ref_columns(parquet, file=path)
-    if external and set(flatten_refs(uris).column("uri").to_pylist()) & external.keys():
+    if external and _uris(parquet, path) & external.keys():
         with reading(path):
             data = _rewrite_uris(parquet, external)
     _write_verified(target.backend, path, data)
     return TableFile(path, file.run_id, file.step, len(data), parquet.metadata.num_rows)
+
+
+def _uris(parquet: pq.ParquetFile, path: str) -> set[str]:
+    """Every media URI the file's rows name (image and video refs; leaf columns only)."""
+    uris: set[str] = set()
+    for column in MEDIA_COLUMNS:
+        refs = flatten_refs(read_ref_columns(parquet, file=path, column=column), column)
+        uris.update(refs.column("uri").to_pylist())
+    return uris
 
 
 def _write_verified(backend: Backend, rel: str, data: bytes) -> None:
@@ -189,8 +216,18 @@ def _rewrite_uris(parquet: pq.ParquetFile, renamed: dict[str, str]) -> bytes:
 
 
 def _with_uris(table: pa.Table, renamed: dict[str, str]) -> pa.Table:
-    images = table.column("images").combine_chunks()
-    refs = images.values  # every ref of the chunk; ``images.offsets`` index into it
+    """``table`` with the URIs of every media column it has replaced (a file written
+    before ``videos`` existed has no such column, and keeps having none)."""
+    for column in MEDIA_COLUMNS:
+        index = table.schema.get_field_index(column)
+        if index >= 0:
+            lists = _lists_with_uris(table.column(column).combine_chunks(), renamed)
+            table = table.set_column(index, table.schema.field(index), lists)
+    return table
+
+
+def _lists_with_uris(lists: pa.ListArray, renamed: dict[str, str]) -> pa.ListArray:
+    refs = lists.values  # every ref of the chunk; ``lists.offsets`` index into it
     uris = pa.array([renamed.get(u, u) for u in refs.field("uri").to_pylist()], pa.string())
     struct_type = refs.type
     children = [
@@ -200,6 +237,6 @@ def _with_uris(table: pa.Table, renamed: dict[str, str]) -> pa.Table:
     new_refs = pa.StructArray.from_arrays(
         children, fields=[struct_type.field(i) for i in range(struct_type.num_fields)]
     )
-    new_images = pa.ListArray.from_arrays(images.offsets, new_refs, type=images.type)
-    index = table.schema.get_field_index("images")
-    return table.set_column(index, table.schema.field(index), new_images)
+    # ``offsets`` carries no validity: a null list (no videos) is kept null by the mask.
+    mask = lists.is_null() if lists.null_count else None
+    return pa.ListArray.from_arrays(lists.offsets, new_refs, type=lists.type, mask=mask)

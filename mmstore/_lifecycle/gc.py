@@ -10,8 +10,9 @@ gc keeps:
   ``release_run`` longer ago than the grace period, or an orphan no commit ever listed: a
   writer killed between its rename and its commit) is deleted once its own bytes are older
   than the grace period too.
-- **media** referenced by a kept rollout file (only their ``images[].hash`` leaf column is
-  read) or held by a pin.
+- **media** referenced by a kept rollout file (only their ``images[].hash`` and
+  ``videos[].hash`` leaf columns are read; a file written before ``videos`` existed has
+  none) or held by a pin.
 - **run layout records** (``runs/<run>/<fingerprint>.json``, see :mod:`mmstore._rows.runs`)
   of every run a kept or remaining rollout file belongs to; a record of a run with none is
   deleted once it is older than the grace period (writers renew theirs).
@@ -44,7 +45,7 @@ A gc killed between a claim and its decision leaves the only name of that media 
 name), so a file touched meanwhile is referenced again; until then it reads as missing.
 
 What is left: S3 has no atomic claim, so a put that lands between the HEAD and the DELETE
-(one round trip) of an unreferenced image older than the grace period can still lose it;
+(one round trip) of unreferenced media older than the grace period can still lose it;
 keep the grace period far above any write's duration and clock skew between machines.
 """
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError, NoMatchError
-from mmstore._format.models import ImageRef, MediaRef
+from mmstore._format.models import ImageRef, MediaRef, VideoRef
 from mmstore._rows.files import HASH_RE, referenced_hashes, select_from
 from mmstore._rows.store import Store
 from mmstore._rows.versions import version_files
@@ -55,8 +55,9 @@ def pin_path(name: str) -> str:
     return f"{PINS}/{name}.json"
 
 
-def pin(store: Store, name: str, refs: Iterable[ImageRef | MediaRef | str]) -> str:
-    """Keep the media of ``refs`` (refs or bare hashes) alive; return the pin's store path.
+def pin(store: Store, name: str, refs: Iterable[ImageRef | MediaRef | VideoRef | str]) -> str:
+    """Keep the media of ``refs`` (image or video refs, or bare hashes) alive; return the
+    pin's store path.
 
     Writing a pin of an existing name replaces it atomically.
     """
@@ -172,10 +173,11 @@ def _pin_record(name: str, doc: Any, rel: str) -> PinRecord:
     return PinRecord(name, frozenset(hashes), version, frozenset(files))
 
 
-def _hash_of(ref: ImageRef | MediaRef | str, name: str) -> str:
+def _hash_of(ref: ImageRef | MediaRef | VideoRef | str, name: str) -> str:
     digest = ref if isinstance(ref, str) else getattr(ref, "hash", None)
     if not isinstance(digest, str) or not HASH_RE.match(digest):
         raise InvalidArgumentError(
-            f"pin {name!r}: expected an ImageRef, MediaRef or 32-hex-digit hash, got {ref!r}"
+            f"pin {name!r}: expected an ImageRef, VideoRef, MediaRef or 32-hex-digit hash, "
+            f"got {ref!r}"
         )
     return digest

@@ -28,6 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from mmstore._exceptions import (
     MmstoreError,
@@ -39,12 +40,19 @@ from mmstore._format.schema import ROW_COLUMNS, check_schema_version
 from mmstore._lifecycle.gc import needed_files
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._progress import bar
-from mmstore._rows.check import RowWindow, UnknownLayoutError, footer_checker
+from mmstore._rows.check import (
+    RowWindow,
+    UnknownLayoutError,
+    footer_checker,
+    footer_video_checker,
+)
 from mmstore._rows.files import (
     HASH_RE,
+    MEDIA_COLUMNS,
     conform,
     decode_every_page,
     flatten_refs,
+    index_column,
     media_hash,
     open_rollout_file,
     read_ref_columns,
@@ -82,6 +90,7 @@ class Problem:
     sample_id: str | None = None
     image_index: int | None = None
     uri: str | None = None
+    video_index: int | None = None  # set where the ref is a video's (image_index is None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,8 +119,9 @@ def verify(
     grace_seconds: float = 3600,
 ) -> VerifyReport:
     """Check table ``version`` (None: the latest) and the store around it; problems are
-    listed by file, run, step, sample and image. With the latest version, Parquet files no
-    needed version lists that are older than ``grace_seconds`` are reported as orphans."""
+    listed by file, run, step, sample and image or video (``image_index``,
+    ``video_index``). With the latest version, Parquet files no needed version lists that
+    are older than ``grace_seconds`` are reported as orphans."""
     # Files before media: a file committed before the log was read had its media in place
     # before its commit, so the media listing below sees it even with writers running.
     listed = store.listed_rollout_files() if version is None else []
@@ -228,17 +238,7 @@ def _verify_file(
             # Every page decoded, and every row checked as the loader checks it.
             rows = conform(decode_every_page(parquet, path), ROW_COLUMNS, file=path)
             problems = _row_problems(store, rows, parquet.metadata.metadata, where)
-        columns = read_ref_columns(parquet, file=path)
-        with reading(path):  # a file without page checksums may still hold invalid UTF-8
-            sample_ids = columns.column("sample_id").to_pylist()
-            refs = flatten_refs(columns)
-            distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
-            keys = list(
-                zip(
-                    *(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")),
-                    strict=True,
-                )
-            )
+        sample_ids, media = _media_refs(parquet, path)
     except SchemaVersionError as exc:
         return [Problem("schema_version", exc.message, **where)], 0
     except (MmstoreError, OSError, pa.ArrowException) as exc:
@@ -246,11 +246,38 @@ def _verify_file(
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         return [Problem("unreadable_file", message, **where)], 0
     problems += _duplicate_samples(sample_ids, seen_samples, where)
-    checker.check_all(keys, pool)
-    bad = [(key, found) for key in keys if (found := checker.results[key]) is not None]
-    if bad:
-        problems += _ref_problems(refs, bad, where)
-    return problems, refs.num_rows
+    count = 0
+    for column, (refs, keys) in media.items():
+        checker.check_all(keys, pool)
+        bad = [(key, found) for key in keys if (found := checker.results[key]) is not None]
+        if bad:
+            problems += _ref_problems(refs, bad, where, column)
+        count += refs.num_rows
+    return problems, count
+
+
+MediaRefs = dict[str, tuple[pa.Table, list[tuple[Any, ...]]]]
+
+
+def _media_refs(parquet: pq.ParquetFile, path: str) -> tuple[list[str], MediaRefs]:
+    """The file's sample ids, and per media column (images, videos) its flattened refs
+    and their distinct (uri, hash, nbytes): only those leaf columns are read."""
+    media: MediaRefs = {}
+    sample_ids: list[str] = []
+    for column in MEDIA_COLUMNS:
+        columns = read_ref_columns(parquet, file=path, column=column)
+        with reading(path):  # a file without page checksums may still hold invalid UTF-8
+            sample_ids = columns.column("sample_id").to_pylist()
+            refs = flatten_refs(columns, column)
+            distinct = refs.group_by(["uri", "hash", "nbytes"], use_threads=False).aggregate([])
+            keys = list(
+                zip(
+                    *(distinct.column(c).to_pylist() for c in ("uri", "hash", "nbytes")),
+                    strict=True,
+                )
+            )
+        media[column] = (refs, keys)
+    return sample_ids, media
 
 
 def _row_problems(
@@ -270,6 +297,7 @@ def _row_problems(
         max_pixels=store.max_image_pixels,
         image_token_ids=token_ids,
         file=where["file"],
+        video_family_of=footer_video_checker(footer),
     )
     problems = []
     for i in range(window.num_rows):
@@ -282,7 +310,7 @@ def _row_problems(
     return problems
 
 
-_PROBLEM_CONTEXT = ("sample_id", "image_index")
+_PROBLEM_CONTEXT = ("sample_id", "image_index", "video_index")
 
 
 def _duplicate_samples(
@@ -302,9 +330,14 @@ def _duplicate_samples(
 
 
 def _ref_problems(
-    refs: pa.Table, bad: list[tuple[tuple[Any, ...], tuple[str, str]]], where: dict[str, Any]
+    refs: pa.Table,
+    bad: list[tuple[tuple[Any, ...], tuple[str, str]]],
+    where: dict[str, Any],
+    column: str = "images",
 ) -> list[Problem]:
-    """Join the failing (uri, hash, nbytes) back onto the refs that carry them."""
+    """Join the failing (uri, hash, nbytes) back onto the refs of ``column`` that carry
+    them; each problem names its ``image_index`` or ``video_index``."""
+    index = index_column(column)
     failing = pa.table(
         {
             "uri": [k[0] for k, _ in bad],
@@ -316,17 +349,17 @@ def _ref_problems(
     )
     keyed = refs.append_column("nbytes_key", pc.fill_null(refs.column("nbytes"), -1))
     joined = keyed.join(failing, keys=["uri", "hash", "nbytes_key"], join_type="inner")
-    joined = joined.sort_by([("row", "ascending"), ("image_index", "ascending")])
+    joined = joined.sort_by([("row", "ascending"), (index, "ascending")])
     return [
         Problem(
             r["kind"],
             r["message"],
             sample_id=r["sample_id"],
-            image_index=r["image_index"],
             uri=r["uri"],
+            **{index: r[index]},
             **where,
         )
-        for r in joined.select(["kind", "message", "sample_id", "image_index", "uri"]).to_pylist()
+        for r in joined.select(["kind", "message", "sample_id", index, "uri"]).to_pylist()
     ]
 
 

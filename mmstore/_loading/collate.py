@@ -11,24 +11,68 @@ from typing import Any
 
 import torch
 
-from mmstore._families import Family, expansion_array
+from mmstore._exceptions import InvalidArgumentError
+from mmstore._families import Family, expansion_array, video_half
 from mmstore._loading.device import collate_images
+from mmstore._loading.distinct import VIDEO_INDEX_KEY, VIDEO_ROWS_KEY, distinct, rows
 from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
 
 
 def model_input_names(family: Family) -> tuple[str, ...]:
-    """The padded batch's keys that the family's transformers model takes."""
+    """The padded batch's keys that the family's transformers model takes (video inputs
+    too where the adapter's processor has a video half; None in a batch without videos)."""
     extra = (family.token_type_input,) if family.token_type_input else ()
-    return ("input_ids", "attention_mask", *family.image_inputs, *extra)
+    video = video_half(family)
+    videos = video.input_names if video is not None else ()
+    return ("input_ids", "attention_mask", *family.image_inputs, *videos, *extra)
 
 
 def token_types(family: Family, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-token type tensors the family's model takes, from the ids alone (1 on the tokens
-    that receive image features); none for a family without them."""
+    that receive image features, the video half's type on video features, as its
+    :meth:`~mmstore._families.VideoFamily.mark_token_types` says); none for a family
+    without them."""
     if family.token_type_input is None:
         return {}
-    return {family.token_type_input: (input_ids == family.feature_token_id).to(torch.int32)}
+    types = (input_ids == family.feature_token_id).to(torch.int32)
+    video = video_half(family)
+    if video is not None:
+        video.mark_token_types(input_ids, types)
+    return {family.token_type_input: types}
+
+
+def check_media_mix(
+    family: Family, images: Sequence[Any], videos: Sequence[Any], sample_ids: Sequence[str]
+) -> None:
+    """Refuse a batch holding images and videos for a family whose model cannot take one
+    (GLM-4.1V), naming its samples: the model would fail on it, less clearly."""
+    video = video_half(family) if images and videos else None
+    if video is not None and not video.batches_with_images:
+        raise InvalidArgumentError(
+            f"{family.family}'s model cannot take images and videos in one batch (transformers "
+            f"counts its image token inside videos as both): samples {list(sample_ids)}; "
+            "write image and video rows to different runs, or batch them apart"
+        )
+
+
+def collate_videos(
+    family: Family, videos: Sequence[dict[str, torch.Tensor]], *, distinct_videos: bool = False
+) -> dict[str, Any]:
+    """The batch's video tensors, concatenated in order (None for each without videos).
+
+    ``distinct_videos``: each processed clip once, with ``video_index`` and ``video_rows``
+    (as ``distinct_images``, :mod:`.distinct`)."""
+    video = video_half(family)
+    if video is None:
+        return {}
+    if not videos:
+        return dict.fromkeys(video.input_names)
+    extra: dict[str, Any] = {}
+    if distinct_videos:
+        videos, extra[VIDEO_INDEX_KEY] = distinct(videos)
+        extra[VIDEO_ROWS_KEY] = rows(video.input_names, videos)
+    return {key: torch.cat([v[key] for v in videos]) for key in video.input_names} | extra
 
 
 def collate(
@@ -47,6 +91,12 @@ def collate(
     every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`._distinct`.
     """
     samples = list(samples)
+    check_media_mix(
+        family,
+        [i for s in samples for i in s.images],
+        [v for s in samples for v in s.videos],
+        [s.sample_id for s in samples],
+    )
     pad = family.layout.pad_token_id if pad_token_id is None else pad_token_id
     extra = dummy(family, dtype) if dummy_image and not any(s.images for s in samples) else None
     lengths = [len(s.input_ids) for s in samples]
@@ -79,6 +129,9 @@ def collate(
         "loss_mask": loss_mask,
         **token_types(family, input_ids),
         **collate_images(family, images, distinct_images=distinct_images),
+        **collate_videos(
+            family, [v for s in samples for v in s.videos], distinct_videos=distinct_images
+        ),
         "logprobs": logprobs,
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),

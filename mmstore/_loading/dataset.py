@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmstore._exceptions import InvalidArgumentError, LayoutMismatchError
-from mmstore._families import Family, adapter_for, takes_tensors
+from mmstore._families import Family, adapter_for, takes_tensors, video_half
 from mmstore._format.media import warm_decoder
 from mmstore._loading.buffers import BatchBuffers
 from mmstore._loading.collate import collate, model_input_names
@@ -53,6 +53,7 @@ from mmstore._rows.snapshot import (
     fingerprints_by_file,
     recorded_layouts,
     take_snapshot,
+    video_fingerprints_by_file,
 )
 from mmstore._rows.store import Store
 
@@ -302,6 +303,7 @@ SHOWN = 3
 
 def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
     """Refuse a snapshot whose files were laid out for another processor, naming the runs."""
+    _check_video_layouts(store, adapter, snapshot)
     found = fingerprints_by_file(store, snapshot)
     wrong = {fp: files for fp, files in found.items() if fp != adapter.fingerprint}
     if not wrong:
@@ -321,6 +323,27 @@ def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
         # the first few files: a long run would fill a screen with paths
         files=sorted({f for files in wrong.values() for f in files})[:SHOWN],
         num_files=sum(len(files) for files in wrong.values()),
+    )
+
+
+def _check_video_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
+    """Refuse, before any worker starts, videos laid out by another video processor (or
+    videos where the processor has none), naming the runs and the first files."""
+    found = video_fingerprints_by_file(store, snapshot)
+    video = video_half(adapter) if found else None
+    wrong = {fp: files for fp, files in found.items() if video is None or fp != video.fingerprint}
+    if not wrong:
+        return
+    files = sorted({f for fs in wrong.values() for f in fs})
+    runs = sorted({partition_of(f)[0] for f in files})
+    mine = "has no video processor" if video is None else f"lays videos out as {video.fingerprint}"
+    raise LayoutMismatchError(
+        f"rows hold videos laid out as {sorted(wrong)}; the processor {mine}. Pass the full "
+        "processor (with its video_processor) the rollouts were written with, or select "
+        "other runs (runs=...)",
+        runs=runs,
+        files=files[:SHOWN],
+        num_files=len(files),
     )
 
 

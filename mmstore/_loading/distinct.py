@@ -9,7 +9,9 @@ in order of first appearance, and says where each image of the batch is among th
 - ``image_index``: int64 ``[images]``, for each image of the batch in model order (sample by
   sample, image by image) the index of its distinct image;
 - ``image_rows``: for each image input, int64 ``[distinct]``, how many leading rows each
-  distinct image fills in it (Qwen-VL's ``pixel_values``: its patches; a grid: 1).
+  distinct image fills in it (Qwen-VL's ``pixel_values``: its patches; a grid: 1);
+- ``video_index`` and ``video_rows``: the same for the batch's videos (the same frames of
+  the same clip, served by the worker from one processed entry).
 
 :func:`expand_images` repeats the rows back into the plain batch, on whatever device the
 tensors are (after ``.to("cuda")`` one concatenation on the GPU): the batch equals the plain
@@ -26,6 +28,9 @@ import torch
 
 INDEX_KEY = "image_index"
 ROWS_KEY = "image_rows"
+# The same for a batch's videos: a GRPO group's shared clip carried once.
+VIDEO_INDEX_KEY = "video_index"
+VIDEO_ROWS_KEY = "video_rows"
 
 
 def distinct(images: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
@@ -62,12 +67,13 @@ def expand_images(batch: dict[str, Any]) -> dict[str, Any]:
     it costs what the plain batch's copies cost, in this process. A plain batch is returned
     as it is.
     """
-    if INDEX_KEY not in batch:
-        return batch
-    index = batch.pop(INDEX_KEY).tolist()
-    for key, counts in batch.pop(ROWS_KEY).items():
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor):
-            parts = value.split(counts.tolist())  # views: each distinct image's rows
-            batch[key] = torch.cat([parts[i] for i in index]) if index else value[:0]
+    for index_key, rows_key in ((INDEX_KEY, ROWS_KEY), (VIDEO_INDEX_KEY, VIDEO_ROWS_KEY)):
+        if index_key not in batch:
+            continue
+        index = batch.pop(index_key).tolist()
+        for key, counts in batch.pop(rows_key).items():
+            value = batch.get(key)
+            if isinstance(value, torch.Tensor):
+                parts = value.split(counts.tolist())  # views: each distinct item's rows
+                batch[key] = torch.cat([parts[i] for i in index]) if index else value[:0]
     return batch

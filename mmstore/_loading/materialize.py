@@ -27,10 +27,11 @@ from mmstore._exceptions import (
 )
 from mmstore._families import Family, takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
-from mmstore._format.models import ImageRef
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
+from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._loading.cache import ByteLRU, WindowRetention
 from mmstore._loading.node_cache import NodeCache, fits, processor_digest
-from mmstore._rows.check import RowWindow, Sample, family_checker
+from mmstore._rows.check import RowWindow, Sample, family_checker, video_checker
 from mmstore._rows.snapshot import Neighbours
 from mmstore._rows.store import Store
 from mmstore._tensors import cast_floats
@@ -87,6 +88,7 @@ class Materializer:
         # ones worth publishing to the node cache, at about a tenth of processing them
         # (writing fresh /dev/shm pages), which an image nobody else asks for pays for nothing.
         self._publish: set[str] = set()
+        self._video_digest: str | None = None  # of the video processor, once it is needed
 
     def samples(self, table: pa.Table) -> Iterator[Materialized]:
         """The rows of ``table`` (loader columns, ``_file`` naming their file) as samples,
@@ -109,6 +111,7 @@ class Materializer:
             max_pixels=self.store.max_image_pixels,
             max_len=self.max_len,
             image_token_ids=self.adapter.special_token_ids,
+            video_family_of=video_checker(self.adapter),
         )
 
     def note_window(
@@ -144,6 +147,9 @@ class Materializer:
         for index, ref in enumerate(row.images):
             where = {**row.where, "image_index": index}
             sample.images.append(self.image(ref, where, sample))
+        for index, video in enumerate(row.videos):
+            where = {**row.where, "video_index": index}
+            sample.videos.append(self.video(video, where, sample))
         if sample.missing_uris:
             sample.loss_mask.zero_()
         return sample
@@ -175,11 +181,94 @@ class Materializer:
             )
         return outputs
 
+    def video(
+        self, ref: VideoRef, where: dict[str, Any], sample: Materialized
+    ) -> dict[str, torch.Tensor]:
+        """One video's tensors: the ref's frames decoded (seeking, never the whole clip), the
+        real video processor, floats in the train dtype; from this worker's cache when the
+        same frames of the same clip were processed (a GRPO group's shared clip)."""
+        self.check_trust(ref, where)
+        video = self.adapter.video
+        # Every fact of the ref the clip is checked against is in the key: a ref pairing a
+        # cached clip's hash with another rate or frame count misses, and is probed.
+        key = (
+            ref.hash,
+            video.fingerprint,
+            ref.frames,
+            ref.num_frames,
+            ref.fps,
+            ref.width,
+            ref.height,
+        )
+        outputs = self.cache.get(key)
+        if outputs is None:
+            processed = self.guarded(ref, where, sample, lambda: self._processed_video(ref))
+            if processed is None:  # missing media under the placeholder policy
+                return {**cast_floats(video.placeholder(ref), self.dtype), **video.extras(ref)}
+            self._check_video(processed, ref, where)
+            # One object per entry, extras included (they follow from the key): a batch's
+            # samples of one clip share it, which distinct batches carry once.
+            outputs = {**processed, **video.extras(ref)}
+            self.cache.put(
+                key, outputs, sum(t.numel() * t.element_size() for t in outputs.values())
+            )
+        else:  # on hits too: the tensors fit this ref's frames, size and span
+            self._check_video(outputs, ref, where)
+        return outputs
+
+    def _check_video(
+        self, outputs: dict[str, torch.Tensor], ref: VideoRef, where: dict[str, Any]
+    ) -> None:
+        try:
+            self.adapter.video.check_output(
+                outputs, ref, sample_id=where.get("sample_id"), video_index=where["video_index"]
+            )
+        except MmstoreError as exc:
+            raise exc.with_context(**where) from None
+
+    def _processed_video(self, ref: VideoRef) -> dict[str, torch.Tensor]:
+        """The node cache's entry for these frames of ``ref``'s clip, or processed here.
+
+        Always published: a clip costs a hundred times an image, and a group's clip is asked
+        for by every rank of the node."""
+        if self.node_cache is None:
+            return self._process_video(ref)
+        video = self.adapter.video
+        if self._video_digest is None:
+            self._video_digest = processor_digest(video.video_processor)
+        key = self.node_cache.key(
+            ref.hash,
+            video.fingerprint,
+            ",".join(map(str, ref.frames)),
+            f"{ref.num_frames}/{ref.fps!r}/{ref.width}x{ref.height}",
+            str(self.dtype),
+            self._video_digest,
+        )
+        return self.node_cache.get_or_compute(
+            key,
+            lambda: self._process_video(ref),
+            check=lambda got: fits(got, video.placeholder(ref), self.dtype),
+            confirm=lambda: self._media_exists(ref),
+        )
+
+    def _process_video(self, ref: VideoRef) -> dict[str, torch.Tensor]:
+        data = self.media.read_media(ref.uri, ref.hash)
+        limit = self.store.max_image_pixels
+        info = probe_video(data, max_pixels=limit, max_frames=MAX_CLIP_FRAMES, where=ref.uri)
+        if (problem := clip_mismatch(info, ref)) is not None:
+            raise LayoutMismatchError(problem, uri=ref.uri)
+        frames = decode_frames(data, ref.frames, max_pixels=limit, where=ref.uri)
+        return self.adapter.video.process(frames, ref, self.dtype)
+
     def cache_key(self, ref: ImageRef) -> tuple[Any, ...]:
         return (ref.hash, self.adapter.fingerprint)
 
     def guarded(
-        self, ref: ImageRef, where: dict[str, Any], sample: Materialized, read: Callable[[], T]
+        self,
+        ref: ImageRef | VideoRef,
+        where: dict[str, Any],
+        sample: Materialized,
+        read: Callable[[], T],
     ) -> T | None:
         """``read()``, ``where`` added to its errors; None for missing media under the
         placeholder policy (the sample marked, its loss masked)."""
@@ -212,7 +301,7 @@ class Materializer:
             confirm=lambda: self._media_exists(ref),
         )
 
-    def _media_exists(self, ref: ImageRef) -> None:
+    def _media_exists(self, ref: ImageRef | VideoRef) -> None:
         """Raise what a read would for media that is gone (a stat, not a read)."""
         if self.store.media_stat(ref.uri) is None:
             raise MediaNotFoundError("media file not found", uri=ref.uri)
@@ -240,7 +329,7 @@ class Materializer:
             )
         self.check_trust(ref, where)
 
-    def check_trust(self, ref: ImageRef, where: dict[str, Any]) -> None:
+    def check_trust(self, ref: ImageRef | VideoRef, where: dict[str, Any]) -> None:
         """Refuse an untrusted URI, hit or miss: cached pixels must not serve a URI nobody
         trusts (a row may pair a known hash with any URI)."""
         try:

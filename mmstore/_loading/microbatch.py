@@ -16,8 +16,14 @@ from typing import Any
 import torch
 
 from mmstore._exceptions import MmstoreError
-from mmstore._families import Family
-from mmstore._loading.collate import dummy, model_input_names, token_types
+from mmstore._families import Family, video_half
+from mmstore._loading.collate import (
+    check_media_mix,
+    collate_videos,
+    dummy,
+    model_input_names,
+    token_types,
+)
 from mmstore._loading.device import collate_images
 from mmstore._loading.materialize import Materialized
 
@@ -33,9 +39,11 @@ def packed_input_names(family: Family) -> tuple[str, ...]:
     return (names[0], "position_ids", *names[1:], "use_cache")
 
 
-def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch.Tensor:
+def positions(
+    family: Family, ids: torch.Tensor, images: Sequence[Any], videos: Sequence[Any] = ()
+) -> torch.Tensor:
     """One segment's position ids: ``[1, L]`` (1-D RoPE) or ``[4, L]`` (text row + M-RoPE)."""
-    rows = family.position_ids(ids, images)
+    rows = family.position_ids(ids, images, videos) if videos else family.position_ids(ids, images)
     if family.position_rows == 1:
         return rows.reshape(1, -1)
     text = torch.arange(ids.shape[-1], dtype=torch.int64)[None]
@@ -43,11 +51,15 @@ def positions(family: Family, ids: torch.Tensor, images: Sequence[Any]) -> torch
 
 
 def _positions(
-    family: Family, ids: torch.Tensor, images: Sequence[Any], where: dict[str, Any]
+    family: Family,
+    ids: torch.Tensor,
+    images: Sequence[Any],
+    videos: Sequence[Any],
+    where: dict[str, Any],
 ) -> torch.Tensor:
     """:func:`positions`, a family's refusal naming the sample (file, run, step, sample)."""
     try:
-        return positions(family, ids, images)
+        return positions(family, ids, images, videos)
     except MmstoreError as exc:
         raise exc.with_context(**where) from None
 
@@ -70,6 +82,11 @@ def pack(
     segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]] = [
         (s.input_ids, s.loss_mask, s.logprobs, list(s.images)) for s in samples
     ]
+    if add_dummy and any(s.videos for s in samples):
+        video = video_half(family)
+        # Its videos run the vision tower already; a family whose model cannot take an
+        # image beside them (GLM-4.1V) gets no dummy image.
+        add_dummy = video is None or video.batches_with_images
     filler = add_dummy or not samples
     if add_dummy:
         tokens, tensors = dummy(family, dtype)
@@ -81,11 +98,18 @@ def pack(
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     input_ids = torch.cat([seg[0] for seg in segments])[None]
+    check_media_mix(
+        family,
+        [image for s in samples for image in s.images],
+        [v for s in samples for v in s.videos],
+        [s.sample_id for s in samples],
+    )
     wheres = [s.where for s in samples] + [{}] * (len(segments) - len(samples))
+    segment_videos = [list(s.videos) for s in samples] + [[]] * (len(segments) - len(samples))
     pos = torch.cat(
         [
-            _positions(family, seg[0], seg[3], where)
-            for seg, where in zip(segments, wheres, strict=True)
+            _positions(family, seg[0], seg[3], videos, where)
+            for seg, videos, where in zip(segments, segment_videos, wheres, strict=True)
         ],
         dim=1,
     )
@@ -102,6 +126,11 @@ def pack(
             family,
             [image for seg in segments for image in seg[3]],
             distinct_images=distinct_images,
+        ),
+        **collate_videos(
+            family,
+            [video for videos in segment_videos for video in videos],
+            distinct_videos=distinct_images,
         ),
         "sample_ids": [s.sample_id for s in samples] + fill,
         "group_ids": [s.group_id for s in samples] + [None] * len(fill),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -38,11 +38,14 @@ import pyarrow.parquet as pq
 from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, MmstoreError
 from mmstore._families import (
     Family,
+    VideoFamily,
     family_for_layout,
+    is_video_layout,
     layout_for_fingerprint,
     layout_from_record,
+    video_family_for_layout,
 )
-from mmstore._format.models import ImageRef
+from mmstore._format.models import ImageRef, VideoRef
 from mmstore._format.schema import (
     FILE_COLUMN,
     META_LAYOUTS,
@@ -51,7 +54,7 @@ from mmstore._format.schema import (
     check_schema_version,
 )
 from mmstore._rows.files import conform, decode_every_page, where_of_file
-from mmstore._rows.invariants import check_spans, truncation_point
+from mmstore._rows.invariants import check_spans, check_video_spans, truncation_point
 
 # No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
 # KB of Parquet can claim far more, so the reader refuses it before building anything.
@@ -59,6 +62,7 @@ MAX_ROW_TOKENS = 2**22
 # Real rows hold a handful of images, at most a few hundred (video frames).
 MAX_ROW_IMAGES = 2**14
 FamilyOf = Callable[[str, str], Family]  # (fingerprint, family name) -> Family, or raises
+VideoFamilyOf = Callable[[str, str], VideoFamily]  # the same, for video refs
 
 Array = TypeVar("Array")  # numpy views as checked; torch tensors once materialized
 Image = TypeVar("Image")  # an ImageRef as checked; the image's tensors once materialized
@@ -82,6 +86,8 @@ class Sample(Generic[Array, Image]):
     reward: float
     advantage: float
     images: list[Image]
+    #: the row's videos: VideoRefs as checked; once materialized, each clip's tensors
+    videos: list[Any] = field(default_factory=list)
     #: where the row came from: file, run_id, step, sample_id (what its errors name)
     where: dict[str, Any] = field(default_factory=dict)
     #: URIs of media found missing (the ``placeholder_zero_loss`` policy stood in for them)
@@ -105,9 +111,11 @@ class RowWindow:
         max_len: int | None = None,
         image_token_ids: Iterable[int] = (),
         file: str | None = None,
+        video_family_of: VideoFamilyOf | None = None,
     ) -> None:
         self.num_rows = table.num_rows
         self.family_of = family_of
+        self.video_family_of = video_family_of or process_video_family
         self.max_pixels = max_pixels
         self.max_len = max_len
         self.image_token_ids = tuple(image_token_ids)
@@ -126,6 +134,10 @@ class RowWindow:
         self.loss_mask = _ListColumn(col["loss_mask"], np.bool_)
         self.logprobs = _ListColumn(col["logprobs"], np.float32)
         self.images = _RefColumns(col["images"], max_pixels)
+        self.videos = col["videos"]
+        self._video_counts = pc.fill_null(pc.list_value_length(self.videos), 0).to_numpy(
+            zero_copy_only=False
+        )
         self._fields_ok = self._rows_fine(col)
 
     def _rows_fine(self, col: dict[str, Any]) -> np.ndarray:
@@ -165,6 +177,7 @@ class RowWindow:
         where = self.where(i, sid)
         try:
             cut, lo, kept = self._check(i, sid)
+            videos = self._checked_videos(i, cut) if self._video_counts[i] else []
         except MmstoreError as exc:
             raise exc.with_context(**where) from None
         s = self.tokens.start(i)
@@ -182,6 +195,7 @@ class RowWindow:
             reward=_float(scalar["reward"][i]),
             advantage=_float(scalar["advantage"][i]),
             images=self.images.refs(lo, kept),
+            videos=videos,
             where=where,
         )
 
@@ -189,20 +203,67 @@ class RowWindow:
         """Only the checks of :meth:`row` (``verify``: nothing is built)."""
         sid = self._scalars["sample_id"][i]
         try:
-            self._check(i, sid)
+            cut, _, _ = self._check(i, sid)
+            if self._video_counts[i]:
+                self._checked_videos(i, cut)
         except MmstoreError as exc:
             raise exc.with_context(**self.where(i, sid)) from None
+
+    def _video_refs(self, i: int) -> list[VideoRef]:
+        """Row ``i``'s video refs, validated (rows with videos are few: pydantic per ref)."""
+        refs = []
+        for index, value in enumerate(self.videos[i].as_py() or ()):
+            try:
+                refs.append(VideoRef.model_validate(value))
+            except ValueError as exc:  # pydantic's ValidationError
+                raise InvalidRolloutError(
+                    f"invalid video ref: {_first_problem(exc)}", video_index=index
+                ) from None
+            ref = refs[-1]
+            if ref.width * ref.height > self.max_pixels:
+                raise InvalidRolloutError(
+                    f"video frame size {ref.width}x{ref.height} exceeds the store's limit of "
+                    f"{self.max_pixels} pixels",
+                    video_index=index,
+                )
+        return refs
+
+    def _checked_videos(self, i: int, cut: int) -> list[VideoRef]:
+        """Row ``i``'s video refs, their spans checked against the whole row (as images'
+        are), then those inside the first ``cut`` tokens (a row cut inside a video span was
+        refused by :meth:`_check`)."""
+        refs = self._video_refs(i)
+        s, n = self.tokens.start(i), self.tokens.length(i)
+        lo, hi = self.images.range(i)
+        image_spans = list(zip(self.images.offset[lo:hi], self.images.length[lo:hi], strict=True))
+        check_video_spans(
+            self.tokens.values[s : s + n],
+            refs,
+            lambda index: self.video_family_of(refs[index].layout_fingerprint, refs[index].family),
+            image_spans,
+        )
+        return [r for r in refs if r.offset + r.length <= cut]
 
     def _check(self, i: int, sid: Any) -> tuple[int, int, int]:
         """``(cut, first ref index, refs kept)`` of a row that passes; raises otherwise."""
         n = self._check_fields(i, sid)
         lo, hi = self.images.range(i)
         s = self.tokens.start(i)
+        exempt = self._video_spans(i)
         # The whole row is checked, whatever max_len keeps of it: a row refused without
         # max_len is refused with it (a forged span past the cut is still a forged row).
         if lo == hi:  # text only: the span rule reduces to "no image token anywhere"
-            check_spans(self.tokens.values[s : s + n], (), (), (), (), _none, self.image_token_ids)
-            return (n if self.max_len is None else min(n, self.max_len)), lo, 0
+            check_spans(
+                self.tokens.values[s : s + n],
+                (),
+                (),
+                (),
+                (),
+                _none,
+                self.image_token_ids,
+                exempt=exempt,
+            )
+            return self._cut_before_videos(n, exempt), lo, 0
         if hi - lo > min(n, MAX_ROW_IMAGES):
             raise InvalidRolloutError(
                 f"{hi - lo} images for {n} tokens: more than the tokens (or "
@@ -223,16 +284,45 @@ class RowWindow:
             self.images.height[lo:hi],
             family_of,
             self.image_token_ids,
+            exempt=exempt,
         )
         if self.max_len is None:
             return n, lo, hi - lo
         cut, kept = truncation_point(offsets, lengths, n, self.max_len)
+        if exempt:  # keep whole videos too: cut before one the cut would split
+            cut = self._cut_before_videos(cut, exempt)
+            kept = int(np.count_nonzero(offsets + lengths <= cut))
         if cut == 0:
             raise InvalidRolloutError(
                 f"max_len={self.max_len} cuts inside the first image; nothing would remain",
                 image_index=0,
             )
         return cut, lo, kept
+
+    def _video_spans(self, i: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of row ``i``'s video refs, as stored (checked later)."""
+        if not self._video_counts[i]:
+            return []
+        spans = []
+        for index, ref in enumerate(self.videos[i].as_py() or ()):
+            offset, length = (ref or {}).get("offset"), (ref or {}).get("length")
+            if not isinstance(offset, int) or not isinstance(length, int) or offset < 0:
+                raise InvalidRolloutError("video span is not a span of tokens", video_index=index)
+            spans.append((offset, length))
+        return spans
+
+    def _cut_before_videos(self, cut: int, spans: Sequence[tuple[int, int]]) -> int:
+        if self.max_len is not None:
+            cut = min(cut, self.max_len)
+        for offset, length in spans:
+            if offset < cut < offset + length:
+                if offset == 0:
+                    raise InvalidRolloutError(
+                        f"max_len={self.max_len} cuts inside the first video; nothing would remain",
+                        video_index=0,
+                    )
+                return offset
+        return cut
 
     def _check_fields(self, i: int, sid: Any) -> int:
         """The row's scalar fields and list lengths; returns its token count."""
@@ -422,7 +512,12 @@ def read_checked(
         table = table.filter(pc.is_in(table.column("sample_id"), wanted))
     family_of, token_ids = footer_checker(parquet.metadata.metadata)
     window = RowWindow(
-        table, family_of, max_pixels=max_pixels, image_token_ids=token_ids, file=path
+        table,
+        family_of,
+        max_pixels=max_pixels,
+        image_token_ids=token_ids,
+        file=path,
+        video_family_of=footer_video_checker(parquet.metadata.metadata),
     )
     for i in range(window.num_rows):
         window.check(i)
@@ -467,14 +562,23 @@ def footer_checker(footer: dict[bytes, bytes] | None) -> tuple[FamilyOf, list[in
 
 
 def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
-    """Fingerprint -> Family, from the footer's layout records that hash to their key."""
+    """Fingerprint -> Family, from the footer's image layout records."""
+    return {
+        fingerprint: family_for_layout(layout)
+        for fingerprint, layout in _footer_layouts(footer).items()
+        if not is_video_layout(layout)
+    }
+
+
+def _footer_layouts(footer: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """Fingerprint -> Layout, from the footer's layout records that hash to their key."""
     try:
         records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
     except ValueError:
         return {}
     if not isinstance(records, dict):
         return {}
-    families = {}
+    layouts = {}
     for fingerprint, record in records.items():
         try:
             layout = layout_from_record(record)
@@ -482,8 +586,66 @@ def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
         except (MmstoreError, TypeError, ValueError):
             continue  # an unknown family or a forged record: not evidence of anything
         if layout.fingerprint == fingerprint:
-            families[fingerprint] = family_for_layout(layout)
-    return families
+            layouts[fingerprint] = layout
+    return layouts
+
+
+def process_video_family(fingerprint: str, name: str) -> VideoFamily:
+    """A video ref's family from the layouts built in this process (or raise)."""
+    layout = layout_for_fingerprint(fingerprint)
+    if layout is None or not is_video_layout(layout):
+        raise UnknownLayoutError(
+            f"video layout fingerprint {fingerprint!r} is in neither the file's footer nor "
+            "this process: its spans cannot be checked without the processor"
+        )
+    return _named(video_family_for_layout(layout), fingerprint, name)
+
+
+def footer_video_checker(footer: dict[bytes, bytes] | None) -> VideoFamilyOf:
+    """The video family lookup of a reader without a processor (as :func:`footer_checker`)."""
+    families = {
+        fingerprint: video_family_for_layout(layout)
+        for fingerprint, layout in _footer_layouts(footer).items()
+        if is_video_layout(layout)
+    }
+
+    def video_family_of(fingerprint: str, name: str) -> VideoFamily:
+        family = families.get(fingerprint)
+        if family is None:
+            return process_video_family(fingerprint, name)
+        return _named(family, fingerprint, name)
+
+    return video_family_of
+
+
+def video_checker(adapter: Family) -> VideoFamilyOf:
+    """The loader's video lookup: every video ref laid out by the loader's video processor."""
+
+    def video_family_of(fingerprint: str, name: str) -> VideoFamily:
+        video = adapter.video  # raises for a family or processor without video
+        if fingerprint != video.fingerprint:
+            raise LayoutMismatchError(
+                f"video ref laid out by {fingerprint}, video processor is {video.fingerprint}"
+            )
+        return _named(video, fingerprint, name)
+
+    return video_family_of
+
+
+def _named(family: VideoFamily, fingerprint: str, name: str) -> VideoFamily:
+    if family.family != name:
+        raise InvalidRolloutError(
+            f"video ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
+        )
+    return family
+
+
+def _first_problem(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        err = errors()[0]
+        return f"{'.'.join(str(p) for p in err['loc']) or 'ref'}: {err['msg']}"
+    return str(exc)
 
 
 def family_checker(adapter: Family) -> FamilyOf:

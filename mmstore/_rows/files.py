@@ -1,4 +1,5 @@
-"""Image refs out of committed rollout files, reading only the leaf columns asked for.
+"""Media refs (images, videos) out of committed rollout files, reading only the leaf
+columns asked for.
 
 Shared by gc, pins, verify and export. A store's Parquet files name the list element
 ``element`` (pyarrow writes compliant nested types); other engines may use ``item``, so leaf
@@ -34,7 +35,7 @@ from mmstore._exceptions import (
     SchemaVersionError,
     StepNotCommittedError,
 )
-from mmstore._format.schema import PARTITION_FIELDS, ROLLOUT_SCHEMA
+from mmstore._format.schema import OPTIONAL_COLUMNS, PARTITION_FIELDS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
 from mmstore._rows.table import TableFile, TableSnapshot
 from mmstore._rows.versions import version_files
@@ -344,14 +345,36 @@ def _level_entries(column: pa.ChunkedArray) -> int | None:
     )
 
 
+# The columns of media refs, each a list of structs with ``uri``, ``hash`` and ``nbytes``:
+# whatever reads every ref a file holds (gc, pins, verify, export) reads each of them.
+MEDIA_COLUMNS = ("images", "videos")
+
+
 def image_leaf(parquet: pq.ParquetFile, field: str, *, file: str) -> str:
     """The column path of ``images[].<field>`` in this file (``images.list.element.hash``)."""
+    leaf = media_leaf(parquet, "images", field, file=file)
+    if leaf is None:  # unreachable: images is not optional; kept for the type checker
+        raise SchemaVersionError(f"rollout file has no images[].{field} column", file=file)
+    return leaf
+
+
+def media_leaf(parquet: pq.ParquetFile, column: str, field: str, *, file: str) -> str | None:
+    """The column path of ``<column>[].<field>`` in this file (``videos.list.element.hash``).
+
+    None where the file predates an optional column (``videos``: its rows hold none); a
+    file without the leaf of a column it does have, or without ``images``, is refused: a
+    path that names no column would read nothing, and gc would take that for no refs.
+    """
+    present = False
     for i in range(parquet.metadata.num_columns):
         path: str = parquet.schema.column(i).path
         parts = path.split(".")
-        if len(parts) == 4 and parts[0] == "images" and parts[3] == field:
+        present = present or parts[0] == column
+        if len(parts) == 4 and parts[0] == column and parts[3] == field:
             return path
-    raise SchemaVersionError(f"rollout file has no images[].{field} column", file=file)
+    if not present and column in OPTIONAL_COLUMNS:
+        return None
+    raise SchemaVersionError(f"rollout file has no {column}[].{field} column", file=file)
 
 
 def distinct_leaf(store: Storage, path: str, field: str) -> pa.Array:
@@ -362,10 +385,28 @@ def distinct_leaf(store: Storage, path: str, field: str) -> pa.Array:
         return pc.unique(pc.struct_field(pc.list_flatten(column), field))
 
 
+def distinct_media_leaf(store: Storage, path: str, field: str) -> pa.Array:
+    """Distinct values of ``<column>[].<field>`` over every media column of one committed
+    file (images and videos; only those leaf columns are read)."""
+    parquet = open_rollout_file(store, path)
+    leaves = {
+        column: leaf
+        for column in MEDIA_COLUMNS
+        if (leaf := media_leaf(parquet, column, field, file=path)) is not None
+    }
+    with reading(path):
+        table = parquet.read(columns=list(leaves.values()))
+        values = [
+            pc.struct_field(pc.list_flatten(table.column(column)), field) for column in leaves
+        ]
+        chunks = [chunk for value in values for chunk in value.chunks]
+        return pc.unique(pa.chunked_array(chunks, values[0].type))
+
+
 def referenced_hashes(
     store: Storage, paths: Iterable[str], *, progress: bool | None = None, desc: str = "mark"
 ) -> set[str]:
-    """Every hash the files at ``paths`` reference."""
+    """Every hash the files at ``paths`` reference (images and videos)."""
     listed = bar(list(paths), desc=desc, unit="file", progress=progress)
     chunks = [_hashes_unless_removed(store, path) for path in listed]
     if not chunks:
@@ -377,37 +418,53 @@ def _hashes_unless_removed(store: Storage, path: str) -> pa.Array:
     """A file released since it was listed references nothing any more; anything else that
     cannot be read stops the caller (gc must not guess what an unreadable file keeps)."""
     try:
-        return distinct_leaf(store, path, "hash")
+        return distinct_media_leaf(store, path, "hash")
     except MmstoreError:
         if store.backend.stat(path) is None:
             return pa.array([], pa.string())
         raise
 
 
-def read_ref_columns(parquet: pq.ParquetFile, *, file: str) -> pa.Table:
-    """``sample_id`` and the ``images[].{uri,hash,nbytes}`` leaves of a file, nothing else."""
-    leaves = [image_leaf(parquet, f, file=file) for f in ("uri", "hash", "nbytes")]
+# The ref fields verify and export read of each media column.
+REF_FIELDS = ("uri", "hash", "nbytes")
+
+
+def read_ref_columns(parquet: pq.ParquetFile, *, file: str, column: str = "images") -> pa.Table:
+    """``sample_id`` and the ``<column>[].{uri,hash,nbytes}`` leaves of a file, nothing
+    else; a file written before an optional column (``videos``) reads it as nulls."""
+    leaves = [media_leaf(parquet, column, f, file=file) for f in REF_FIELDS]
+    present = [leaf for leaf in leaves if leaf is not None]
     with reading(file):
-        return parquet.read(columns=["sample_id", *leaves])
+        table = parquet.read(columns=["sample_id", *present])
+    if column in table.column_names:
+        return table
+    ref_type = pa.struct(
+        [ROLLOUT_SCHEMA.field(column).type.value_type.field(f) for f in REF_FIELDS]
+    )
+    return table.append_column(column, pa.nulls(table.num_rows, pa.list_(ref_type)))
 
 
-def flatten_refs(table: pa.Table) -> pa.Table:
-    """One row per image ref: row, image_index, sample_id, uri, hash, nbytes."""
-    images = table.column("images").combine_chunks()
-    lengths = pc.list_value_length(images).to_numpy(zero_copy_only=False)
+def flatten_refs(table: pa.Table, column: str = "images") -> pa.Table:
+    """One row per ref of ``column``: row, ``<kind>_index`` (``image_index``,
+    ``video_index``), sample_id, uri, hash, nbytes. A null list holds no refs."""
+    refs = table.column(column).combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(refs), 0).to_numpy(zero_copy_only=False)
     rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    flat = pc.list_flatten(images)
+    flat = pc.list_flatten(refs)
     return pa.table(
         {
             "row": rows,
-            "image_index": np.arange(len(rows), dtype=np.int64) - starts,
+            index_column(column): np.arange(len(rows), dtype=np.int64) - starts,
             "sample_id": pc.take(table.column("sample_id"), pa.array(rows)),
-            "uri": pc.struct_field(flat, "uri"),
-            "hash": pc.struct_field(flat, "hash"),
-            "nbytes": pc.struct_field(flat, "nbytes"),
+            **{f: pc.struct_field(flat, f) for f in REF_FIELDS},
         }
     )
+
+
+def index_column(column: str) -> str:
+    """``image_index`` for ``images``, ``video_index`` for ``videos`` (errors' context keys)."""
+    return f"{column.removesuffix('s')}_index"
 
 
 def media_hash(path: str) -> str | None:
@@ -436,6 +493,10 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
     arrays = []
     for name in columns:
         target = ROLLOUT_SCHEMA.field(name).type
+        if name not in table.column_names and name in OPTIONAL_COLUMNS:
+            # A file written before the column existed: nulls (pyarrow skips absent columns).
+            arrays.append(pa.chunked_array([pa.nulls(table.num_rows, target)]))
+            continue
         if name not in table.column_names:
             raise CorruptFileError(f"rollout file has no {name!r} column", **where_of_file(file))
         column = table.column(name)

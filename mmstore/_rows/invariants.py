@@ -14,11 +14,14 @@ from mmstore._exceptions import ImageSizeError, InvalidArgumentError, InvalidRol
 from mmstore._families import (
     Family,
     Layout,
+    VideoFamily,
     expansion_array,
     family_for_layout,
+    is_video_layout,
     layout_for_fingerprint,
+    video_family_for_layout,
 )
-from mmstore._format.models import Rollout, list_array
+from mmstore._format.models import Rollout, VideoRef, list_array
 
 LayoutLookup = Callable[[str], "Layout | None"]
 
@@ -28,13 +31,17 @@ def check_rollout(
     layouts: LayoutLookup = layout_for_fingerprint,
     *,
     image_token_ids: Iterable[int] = (),
+    video: VideoFamily | None = None,
 ) -> None:
     """Refuse a row whose masks, spans or placeholder tokens are inconsistent.
 
     ``layouts`` maps a ref's fingerprint to its :class:`Layout`. Each span must hold exactly
     its family's expansion of that image. ``image_token_ids`` are image tokens that must not
     appear outside spans even in rows without images (the writer passes those of the
-    families it knows); the special tokens of every family a row uses are added.
+    families it knows); the special tokens of every family a row uses are added. ``video``:
+    a video half bound to its tokenizer (the writer's adapter's), which checks the spans of
+    its fingerprint token for token, timestamps included; a layout alone checks their
+    structure (:meth:`VideoFamily.check_span`).
     """
     sid = rollout.sample_id
     _check_lengths(rollout, len(rollout.tokens))
@@ -55,9 +62,106 @@ def check_rollout(
             [r.height for r in refs],
             family_of,
             image_token_ids,
+            exempt=[(v.offset, v.length) for v in rollout.videos],
         )
+        if rollout.videos:
+            check_video_spans(
+                tokens,
+                rollout.videos,
+                lambda i: _video_family_of(rollout.videos[i], layouts, sid, i, video),
+                [(r.offset, r.length) for r in refs],
+            )
     except InvalidRolloutError as exc:
         raise exc.with_context(sample_id=sid) from None
+
+
+def check_video_spans(
+    tokens: np.ndarray,
+    refs: Sequence[VideoRef],
+    family_of: Callable[[int], VideoFamily],
+    image_spans: Sequence[tuple[int, int]],
+) -> None:
+    """The span rule for videos, shared by the writer and the reader.
+
+    Video spans are sorted, inside ``tokens``, overlap no other span (image or video), and
+    each holds its family's layout of the ref's frames (:meth:`VideoFamily.check_span`:
+    exactly its expansion, or, where a layout-only family cannot tokenize the span's
+    timestamp text, its structure); no video-only token occurs outside them. Raises
+    :class:`InvalidRolloutError` with the video index.
+    """
+    n = len(tokens)
+    taken = sorted((int(o), int(o) + int(length)) for o, length in image_spans)
+    special: set[int] = set()
+    end_of_previous = 0
+    for index, ref in enumerate(refs):
+        offset, length = ref.offset, ref.length
+        span = f"video span [{offset}, {offset + length})"
+        if offset < end_of_previous:
+            raise InvalidRolloutError(
+                f"{span} is not after the previous video's end at {end_of_previous}",
+                video_index=index,
+            )
+        if offset + length > n:
+            raise InvalidRolloutError(f"{span} is outside the {n} tokens", video_index=index)
+        # A ref built without validation (model_construct) reaches the writer unchecked.
+        frames = np.asarray(ref.frames, dtype=np.int64)
+        if (
+            not frames.size
+            or frames[0] < 0
+            or frames[-1] >= ref.num_frames
+            or (np.diff(frames) <= 0).any()
+        ):
+            raise InvalidRolloutError(
+                f"video frames must be strictly increasing and lie within the clip's "
+                f"{ref.num_frames} frames",
+                video_index=index,
+            )
+        for start, end in taken:
+            if start < offset + length and offset < end:
+                raise InvalidRolloutError(
+                    f"{span} overlaps the image span [{start}, {end})", video_index=index
+                )
+        family = family_of(index)
+        problem = family.check_span(tokens[offset : offset + length], ref)
+        if problem is not None:
+            raise InvalidRolloutError(f"{span} {problem}", video_index=index)
+        special.update(family.special_token_ids)
+        end_of_previous = offset + length
+    ids = sorted(special)
+    inside = sum(_count(tokens[r.offset : r.offset + r.length], ids) for r in refs)
+    if _count(tokens, ids) != inside:
+        is_special = np.isin(tokens, ids)
+        for r in refs:
+            is_special[r.offset : r.offset + r.length] = False
+        pos = int(np.flatnonzero(is_special)[0])
+        raise InvalidRolloutError(
+            f"video placeholder token {int(tokens[pos])} at position {pos} lies outside "
+            "every video span"
+        )
+
+
+def _video_family_of(
+    ref: VideoRef, layouts: LayoutLookup, sid: str, index: int, bound: VideoFamily | None
+) -> VideoFamily:
+    """The ref's video family: ``bound`` (tokenizer and all) when it laid the ref out, else
+    a layout-only one. The lookup runs either way: the writer records the layouts it sees."""
+    layout = layouts(ref.layout_fingerprint)
+    if layout is None or not is_video_layout(layout):
+        raise InvalidRolloutError(
+            f"unknown video layout fingerprint {ref.layout_fingerprint!r}: build the adapter "
+            "(mmstore.adapter_for(full processor).video) in this process or pass adapter=",
+            sample_id=sid,
+            video_index=index,
+        )
+    if layout.family != ref.family:
+        raise InvalidRolloutError(
+            f"video ref says family {ref.family!r} but its fingerprint is {layout.family!r}",
+            sample_id=sid,
+            video_index=index,
+        )
+    if bound is not None and bound.fingerprint == ref.layout_fingerprint:
+        return bound
+    return video_family_for_layout(layout)
 
 
 def check_spans(
@@ -68,6 +172,8 @@ def check_spans(
     heights: Sequence[int],
     family_of: Callable[[int], Family],
     image_token_ids: Iterable[int] = (),
+    *,
+    exempt: Sequence[tuple[int, int]] = (),
 ) -> None:
     """The span rule, shared by the writer and the reader (one home for it).
 
@@ -75,8 +181,14 @@ def check_spans(
     expansion of its image's size (``family_of(i)`` gives image ``i``'s family, or raises);
     no image token of those families (nor ``image_token_ids``) occurs outside a span. Raises
     :class:`InvalidRolloutError` with the image index at the first violation, images in
-    order; the caller adds where the row came from.
+    order; the caller adds where the row came from. ``exempt``: ``(offset, length)`` of
+    video spans, whose tokens (a family may lay video frames out with its image token) are
+    left to :func:`check_video_spans`.
     """
+    if exempt:
+        tokens = tokens.copy()
+        for offset, length in exempt:
+            tokens[int(offset) : int(offset) + int(length)] = -1
     if not len(offsets):  # text only: no image token may occur at all
         ids = list(image_token_ids)
         if ids and _count(tokens, ids):

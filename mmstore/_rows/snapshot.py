@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError
@@ -22,6 +23,7 @@ from mmstore._rows.files import (
     check_value_counts,
     conform,
     distinct_leaf,
+    media_leaf,
     open_rollout_file,
     partition_of,
     reading,
@@ -188,6 +190,23 @@ def fingerprints_by_file(store: Storage, snapshot: Snapshot) -> dict[str, set[st
     found: dict[str, set[str]] = {}
     for path in snapshot.files:
         for fp in distinct_leaf(store, path, "layout_fingerprint").to_pylist():
+            found.setdefault(fp, set()).add(path)
+    return found
+
+
+def video_fingerprints_by_file(store: Storage, snapshot: Snapshot) -> dict[str, set[str]]:
+    """Every video layout fingerprint in the snapshot -> the files using it (the
+    ``videos[].layout_fingerprint`` leaf only; files without the column have none)."""
+    found: dict[str, set[str]] = {}
+    for path in snapshot.files:
+        parquet = open_rollout_file(store, path)
+        leaf = media_leaf(parquet, "videos", "layout_fingerprint", file=path)
+        if leaf is None:
+            continue
+        with reading(path):
+            column = parquet.read(columns=[leaf]).column("videos")
+        values = pc.unique(pc.struct_field(pc.list_flatten(column), "layout_fingerprint"))
+        for fp in values.to_pylist():
             found.setdefault(fp, set()).add(path)
     return found
 

@@ -30,12 +30,20 @@ from mmstore._exceptions import InvalidArgumentError, InvalidRolloutError
 from mmstore._families import (
     Family,
     Layout,
-    family_for_layout,
     known_layouts,
     layout_for_fingerprint,
     layout_from_record,
+    special_token_ids,
+    video_half,
 )
-from mmstore._format.models import LIST_DTYPES, Rollout, list_array, released
+from mmstore._format.models import (
+    LIST_DTYPES,
+    ImageRef,
+    Rollout,
+    VideoRef,
+    list_array,
+    released,
+)
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.invariants import check_rollout
 from mmstore._rows.runs import record_layouts, run_layouts
@@ -104,6 +112,7 @@ def _buffered(rollout: Rollout) -> dict[str, Any]:
     for name in LIST_DTYPES:
         row[name] = list_array(rollout, name)
     row["images"] = [ref.model_dump() for ref in rollout.images]
+    row["videos"] = [ref.model_dump_row() for ref in rollout.videos]
     return row
 
 
@@ -238,6 +247,8 @@ class RolloutWriter:
         self.result: CommitResult | None = None  # the last commit's, as the table said
         self._file_rows = 0  # rows in the open (or encoded) file
         self._adapter = adapter
+        # The adapter's video half, bound to its tokenizer: its spans are checked exactly.
+        self._video = video_half(adapter) if adapter is not None else None
         self._layouts: dict[str, Layout] = {}
         self._run_layouts: list[Layout] | None = None
         self._sample_ids: set[str] = set()
@@ -295,17 +306,22 @@ class RolloutWriter:
 
         token_ids = self._placeholder_ids()
         try:
-            check_rollout(rollout, lookup, image_token_ids=token_ids)
+            check_rollout(rollout, lookup, image_token_ids=token_ids, video=self._video)
         except InvalidRolloutError as exc:
             raise exc.with_context(**where) from None
-        for index, ref in enumerate(rollout.images):
+        media: list[tuple[str, int, ImageRef | VideoRef]]
+        media = [("image_index", i, r) for i, r in enumerate(rollout.images)]
+        media += [("video_index", i, r) for i, r in enumerate(rollout.videos)]
+        for key, index, ref in media:
             if (ref.uri, ref.hash) not in self._known_media:
-                self.store.ensure_media(ref, **where, image_index=index)
+                self.store.ensure_media(ref, **where, **{key: index})
                 self._known_media.add((ref.uri, ref.hash))
+        for index, video in enumerate(rollout.videos):  # its facts, as its span assumes them
+            self.store.check_clip(video, **where, video_index=index)
         # Accepted: only now does the row touch the writer's state.
         self._layouts.update(used)
         self._sample_ids.add(rollout.sample_id)
-        self._unsynced.update(ref.uri for ref in rollout.images)
+        self._unsynced.update(ref.uri for _, _, ref in media)
         self._pending.append(_buffered(rollout))
         released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
@@ -326,7 +342,9 @@ class RolloutWriter:
         adapters of this process if they are all of one family.
         """
         if self._adapter is not None:
-            return self._adapter.special_token_ids
+            video = video_half(self._adapter)
+            extra = video.special_token_ids if video is not None else frozenset()
+            return self._adapter.special_token_ids | extra
         layouts = list(self._layouts.values())
         if not layouts:
             if self._run_layouts is None:  # read once per writer
@@ -338,11 +356,14 @@ class RolloutWriter:
         if not layouts:
             built = known_layouts()
             layouts = built if len({x.family for x in built}) == 1 else []
-        return frozenset().union(*(family_for_layout(x).special_token_ids for x in layouts))
+        return frozenset().union(*(special_token_ids(x) for x in layouts))
 
     def _layout(self, fingerprint: str) -> Layout | None:
         if self._adapter is not None and self._adapter.fingerprint == fingerprint:
             return self._adapter.layout
+        video = video_half(self._adapter) if self._adapter is not None else None
+        if video is not None and video.fingerprint == fingerprint:
+            return video.layout
         return layout_for_fingerprint(fingerprint)
 
     def _flush_row_group(self) -> None:

@@ -22,6 +22,7 @@ from mmstore._exceptions import (
     HashMismatchError,
     ImageDecodeError,
     InvalidArgumentError,
+    InvalidRolloutError,
     MediaNotFoundError,
     MediaPermissionError,
     MmstoreError,
@@ -41,7 +42,8 @@ from mmstore._format.media import (
     media_path,
     probe,
 )
-from mmstore._format.models import ImageRef, MediaRef
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, MediaRef, VideoRef
+from mmstore._format.video import VideoInfo, clip_mismatch, probe_video
 from mmstore._storage.backends import (
     STAGING,
     Backend,
@@ -98,6 +100,7 @@ class Storage:
         # Whether this process's open() wrote the manifest (the store's rows stage then
         # creates the rollouts table too).
         self._external: dict[str, Backend] = {}
+        self._clips: dict[str, VideoInfo] = {}  # hash -> what put_video or a probe found
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
@@ -232,6 +235,68 @@ class Storage:
         data, ext = encode_image(as_pil(image), format or "png", quality)
         return self.put_media(data, ext=ext)
 
+    def put_video(self, video: Any) -> MediaRef:
+        """Store a video clip once, by content; return its ref (``kind="video"``, with the
+        clip's frame size, frame count and average rate).
+
+        ``video`` is a file path or the encoded bytes, stored as they are. Accepted: MP4 and
+        MOV, Matroska and WebM holding H.264, HEVC, VP8, VP9, AV1 or MPEG-4 Part 2 video
+        (what the bundled FFmpeg of PyAV, the ``video`` extra, decodes); anything else raises
+        :class:`ImageDecodeError` naming it. A clip over the store's pixel limit per frame or
+        over ``MAX_CLIP_FRAMES`` frames is refused as a bomb from its container, before a
+        frame is decoded (the first frame is decoded, to prove the clip decodes).
+        """
+        where = None
+        if is_path(video):
+            where = os.fspath(video)
+            data = self._read_image_file(where)
+        elif isinstance(video, bytes | bytearray | memoryview):
+            data = bytes(video)
+        else:
+            raise InvalidArgumentError(
+                f"put_video takes a file path or the clip's bytes, got {type(video).__name__}"
+            )
+        info = probe_video(
+            data, max_pixels=self.max_image_pixels, max_frames=MAX_CLIP_FRAMES, where=where
+        )
+        digest = content_hash(data)
+        rel = media_path(digest, info.ext)
+        self.backend.put_content(rel, data)
+        self._remember_clip(digest, info)
+        return MediaRef(
+            hash=digest,
+            uri=rel,
+            width=info.width,
+            height=info.height,
+            nbytes=len(data),
+            kind="video",
+            num_frames=info.num_frames,
+            fps=info.fps,
+        )
+
+    def check_clip(self, ref: VideoRef, **where: Any) -> None:
+        """Refuse a video ref whose size, frame count or rate is not its clip's (its span
+        was laid out for another clip), with ``where`` in the error. The facts come from
+        this process's ``put_video`` of the clip, else from reading and probing it once."""
+        info = self._clips.get(ref.hash)
+        try:
+            if info is None:
+                data = self.read_media(ref.uri, ref.hash)
+                limit = self.max_image_pixels
+                info = probe_video(
+                    data, max_pixels=limit, max_frames=MAX_CLIP_FRAMES, where=ref.uri
+                )
+                self._remember_clip(ref.hash, info)
+        except MmstoreError as exc:
+            raise exc.with_context(**where) from None
+        if (problem := clip_mismatch(info, ref)) is not None:
+            raise InvalidRolloutError(problem, uri=ref.uri, **where)
+
+    def _remember_clip(self, digest: str, info: VideoInfo) -> None:
+        if len(self._clips) >= _CLIPS_REMEMBERED:  # a bound: forget, probe again if asked
+            self._clips.clear()
+        self._clips[digest] = info
+
     @staticmethod
     def _read_image_file(path: str) -> bytes:
         try:
@@ -286,7 +351,7 @@ class Storage:
         with media_failures(uri):
             return backend.stat(rel)
 
-    def ensure_media(self, ref: ImageRef | MediaRef, **where: Any) -> None:
+    def ensure_media(self, ref: ImageRef | MediaRef | VideoRef, **where: Any) -> None:
         """Refuse a ref whose bytes are not where it says, with ``where`` in the error.
 
         Store media is named by its hash and written whole, so a name check and an existence
@@ -379,6 +444,7 @@ class Storage:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_external"] = {}
+        state["_clips"] = {}
         return state
 
     # -- rollout files -------------------------------------------------------------------
@@ -403,6 +469,10 @@ class Storage:
 
 # What to do where there is no store; the command line, which has no create=, says its own.
 CREATE_REMEDY = "pass create=True to make one"
+
+
+# Clips whose probed facts a Storage remembers (a few hundred bytes each).
+_CLIPS_REMEMBERED = 4096
 
 
 def missing_store_message(root: str, remedy: str) -> str:

@@ -1,17 +1,24 @@
-"""Server-side resolution of wire-form image refs into processor inputs, or a 400-ready error.
+"""Server-side resolution of wire-form image and video refs into processor inputs, or a
+400-ready error.
 
-A request names images by ref (``mmstore.wire``), never by pixels. Each ref is checked
-cheaply first (wire syntax, family, layout fingerprint, size limit, span length, URI
-trust), the request's pixels are bounded from the refs' sizes (``request_too_large``), then
-materialized: verified read, safe decode, the real image processor, the processor's grid
-against the span. Any failure becomes ``{"error": "invalid_mm_image_ref", "index": i,
-"reason": ..., "detail": ...}`` for the first failing ref; nothing raises to the server, not
-even ``MemoryError`` (``out_of_memory``).
+A request names images and videos by ref (``mmstore.wire``: ``mmraw:`` an image,
+``mmvid:`` a video), never by pixels. Each ref is checked cheaply first (wire syntax,
+family, layout fingerprint (a video's against the processor's video half), size limit,
+span length, URI trust), the request's bytes are bounded from the refs (``request_too_large``:
+an image's pixels from its size, a video's processed tensors from its layout's shapes),
+then materialized: verified read, safe decode (a video: its container probed and its facts
+compared with the ref's, then only the ref's frames decoded), the real image or video
+processor, the processor's grid against the span. Any failure becomes ``{"error":
+"invalid_mm_image_ref", "index": i, "reason": ..., "detail": ...}`` for the first failing
+ref, its index in the request; the name covers video refs too (clients match it, so it
+stays). Nothing raises to the server, not even ``MemoryError`` (``out_of_memory``).
 
 Materialized images are cached by ``(hash, fingerprint)``: the pixels depend only on the
 content and the layout, so a ref that passes its own checks may reuse pixels that another
-ref with the same hash paid for. The URI's trust is checked for every ref, hit or miss;
-its bytes are read (and verified) only on a miss.
+ref with the same hash paid for. Videos are cached by every fact of the ref the clip is
+checked against (hash, video fingerprint, frames, frame count, rate, size): a ref pairing a
+cached clip's hash with other facts misses, and is probed. The URI's trust is checked for
+every ref, hit or miss; its bytes are read (and verified) only on a miss.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from mmstore._exceptions import (
     DecompressionBombError,
@@ -33,10 +41,13 @@ from mmstore._exceptions import (
     LayoutMismatchError,
     MediaNotFoundError,
     UntrustedURIError,
+    VideoBombError,
+    VideoDecodeError,
     WireFormatError,
 )
-from mmstore._families import adapter_for
-from mmstore._format.models import ImageRef
+from mmstore._families import VideoFamily, adapter_for, video_half
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
+from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._rows.store import Store
 from mmstore.integrations._single_flight import SingleFlightLRU
 from mmstore.wire import decode
@@ -47,7 +58,8 @@ ERROR = "invalid_mm_image_ref"
 DEFAULT_CACHE_BYTES = 512 * 2**20
 DEFAULT_MAX_REFS = 64
 # The pixels one request may build (float32, as the processor returns them): 1 GiB is ~20
-# 1080p screenshots at Qwen2-VL's defaults. Checked from the refs' sizes before any decode.
+# 1080p screenshots at Qwen2-VL's defaults. Checked from the refs' sizes before any decode;
+# a video counts its processed tensors' bytes (its layout's placeholder shapes).
 DEFAULT_MAX_REQUEST_BYTES = 2**30
 
 # Store and decode errors -> the reason a client sees. Order matters: subclasses first.
@@ -56,7 +68,9 @@ _REASONS: tuple[tuple[type[Exception], str], ...] = (
     (UntrustedURIError, "untrusted_uri"),
     (MediaNotFoundError, "media_not_found"),
     (HashMismatchError, "hash_mismatch"),
+    (VideoBombError, "image_too_large"),  # a clip's frames too large, or too many of them
     (DecompressionBombError, "image_too_large"),
+    (VideoDecodeError, "undecodable_video"),  # a subclass of ImageDecodeError
     (ImageDecodeError, "undecodable_image"),
     (ImageSizeError, "unsupported_size"),
     (LayoutMismatchError, "grid_mismatch"),
@@ -75,9 +89,9 @@ class RefRefused(Exception):
 
 @dataclass(frozen=True)
 class Materialized:
-    """One image through the processor: what the cache holds for ``(hash, fingerprint)``."""
+    """One image (video) through the processor: what the cache holds for its key."""
 
-    tensors: dict[str, np.ndarray]  # the family's image tensors, floats float32, read-only
+    tensors: dict[str, np.ndarray]  # the family's image (video) tensors, floats float32, read-only
     width: int
     height: int
 
@@ -87,13 +101,21 @@ class Materialized:
 
 
 class RefResolver:
-    """Resolves wire refs against ``store`` for one image processor; share one per server.
+    """Resolves wire refs against ``store`` for one processor; share one per server.
 
     ``resolve(wire_refs)`` returns the family's image tensors as numpy arrays, batched in
-    ref order (Qwen-VL: ``pixel_values`` float32, all patches; ``image_grid_thw`` int64
-    (n, 3)), plus ``"hashes": [str, ...]``, or the error
-    dict. Thread-safe; ``cache_bytes`` bounds the processed pixels kept (LRU);
-    ``max_request_bytes`` bounds the pixels one request may build (``request_too_large``).
+    the order of the request's image refs (Qwen-VL: ``pixel_values`` float32, all patches;
+    ``image_grid_thw`` int64 (n, 3)), plus ``"hashes": [str, ...]`` (each image's content
+    hash, its vLLM uuid), or the error dict. A request holding video refs also gets the video
+    half's inputs (``adapter.video.input_names``), concatenated in the order of its video
+    refs (Qwen-VL: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 (n, 3);
+    Qwen2.5-VL also ``second_per_grid_ts`` float32 (n,)), and ``"video_uuids"``: each
+    video's vLLM uuid, as :func:`mmstore.integrations.vllm.video_uuid` gives it; a request
+    without video refs gets no video keys. Video refs need a processor with a video half
+    (pass the full processor, or an adapter whose video half is bound: an adapter is its own
+    adapter); without one they are refused (``video_unsupported``). Thread-safe;
+    ``cache_bytes`` bounds the processed tensors kept (LRU); ``max_request_bytes`` bounds the
+    bytes one request may build (``request_too_large``).
     """
 
     def __init__(
@@ -109,7 +131,7 @@ class RefResolver:
         self.adapter = adapter_for(image_processor)
         self.max_refs = max_refs
         self.max_request_bytes = max_request_bytes
-        self._cache: SingleFlightLRU[tuple[str, str], Materialized] = SingleFlightLRU(
+        self._cache: SingleFlightLRU[tuple[Any, ...], Materialized] = SingleFlightLRU(
             cache_bytes, sizeof=lambda m: m.nbytes
         )
 
@@ -129,44 +151,69 @@ class RefResolver:
             return _error(
                 None, "too_many_refs", f"{len(wire_refs)} image refs exceed {self.max_refs}"
             )
-        refs: list[ImageRef] = []
+        refs: list[ImageRef | VideoRef] = []
         for index, text in enumerate(wire_refs):
             try:
                 refs.append(self._admit(text))
             except Exception as exc:
                 return _as_error(index, exc)
-        over = self._over_budget(refs)
+        try:
+            over = self._over_budget(refs)
+        except Exception as exc:  # a layout that cannot size a ref it admitted: still an answer
+            return _as_error(None, exc)
         if over is not None:
             return over
-        images: list[Materialized] = []
+        materialized: list[Materialized] = []
         for index, ref in enumerate(refs):
             try:
-                images.append(self._materialize(ref, index))
+                if isinstance(ref, VideoRef):
+                    materialized.append(self._materialize_video(ref, index))
+                else:
+                    materialized.append(self._materialize(ref, index))
             except Exception as exc:
                 return _as_error(index, exc)
         try:
-            return self._inputs(refs, images)
+            return self._inputs(refs, materialized)
         except Exception as exc:
             return _as_error(None, exc)
 
-    def _over_budget(self, refs: Sequence[ImageRef]) -> dict[str, Any] | None:
+    def _over_budget(self, refs: Sequence[ImageRef | VideoRef]) -> dict[str, Any] | None:
         """The error for a request whose pixels would exceed the budget, before any decode."""
         total = 0
         for index, ref in enumerate(refs):
-            total += 4 * math.prod(self.adapter.pixel_shape(ref.width, ref.height))
+            if isinstance(ref, VideoRef):
+                size = self._video_bytes(ref)
+                total = self.max_request_bytes + 1 if size is None else total + size
+            else:
+                total += 4 * math.prod(self.adapter.pixel_shape(ref.width, ref.height))
             if total > self.max_request_bytes:
                 return _error(
                     index,
                     "request_too_large",
-                    f"the first {index + 1} image refs need {total} bytes of pixels, above "
-                    f"the request budget of {self.max_request_bytes}",
+                    f"the first {index + 1} refs need {total} bytes of processed tensors, "
+                    f"above the request budget of {self.max_request_bytes}",
                 )
         return None
 
+    def _video_bytes(self, ref: VideoRef) -> int | None:
+        """The bytes a video's processed tensors take (float32), from its layout's shapes;
+        None when even their zero placeholder cannot be allocated (lazily: calloc'd pages
+        are never touched)."""
+        try:
+            shapes = self._video().placeholder(ref)
+        except MemoryError:
+            return None
+        return sum(
+            (4 if np.issubdtype(a.dtype, np.floating) else a.dtype.itemsize) * a.size
+            for a in shapes.values()
+        )
+
     # -- checks that need no bytes -----------------------------------------------------
 
-    def _admit(self, text: Any) -> ImageRef:
+    def _admit(self, text: Any) -> ImageRef | VideoRef:
         ref = decode(text)
+        if isinstance(ref, VideoRef):
+            return self._admit_video(ref)
         adapter = self.adapter
         if ref.family != adapter.family:
             raise RefRefused(
@@ -189,6 +236,49 @@ class RefResolver:
                 "span_length_mismatch",
                 f"span of {ref.length} tokens, a {ref.width}x{ref.height} image lays out as "
                 f"{expected}",
+            )
+        self.store.resolve(ref.uri)  # trust, for every ref: a cache hit must not bypass it
+        return ref
+
+    def _video(self) -> VideoFamily:
+        video = video_half(self.adapter)
+        if video is None:
+            raise RefRefused(
+                "video_unsupported",
+                f"this server's processor ({self.adapter.family}) has no video processor: "
+                "it resolves image refs only",
+            )
+        return video
+
+    def _admit_video(self, ref: VideoRef) -> VideoRef:
+        video = self._video()
+        if ref.family != video.family:
+            raise RefRefused(
+                "family_mismatch", f"ref family {ref.family!r}, processor {video.family!r}"
+            )
+        if ref.layout_fingerprint != video.fingerprint:
+            raise RefRefused(
+                "fingerprint_mismatch",
+                f"video ref laid out with {ref.layout_fingerprint!r}, this processor's video "
+                f"layout is {video.fingerprint!r}",
+            )
+        limit = self.store.max_image_pixels
+        if ref.width * ref.height > limit:
+            raise RefRefused(
+                "image_too_large",
+                f"{ref.width}x{ref.height} video frames exceed the limit of {limit} pixels",
+            )
+        if ref.num_frames > MAX_CLIP_FRAMES:
+            raise RefRefused(
+                "image_too_large",
+                f"a clip of {ref.num_frames} frames exceeds the limit of {MAX_CLIP_FRAMES}",
+            )
+        expected = len(video.expansion(ref))
+        if ref.length != expected:
+            raise RefRefused(
+                "span_length_mismatch",
+                f"span of {ref.length} tokens, {len(ref.frames)} frames of a "
+                f"{ref.width}x{ref.height} video lay out as {expected}",
             )
         self.store.resolve(ref.uri)  # trust, for every ref: a cache hit must not bypass it
         return ref
@@ -221,21 +311,78 @@ class RefResolver:
             tensors[key] = array
         return Materialized(tensors, pil.width, pil.height)
 
-    def _inputs(self, refs: Sequence[ImageRef], images: Sequence[Materialized]) -> dict[str, Any]:
+    def _materialize_video(self, ref: VideoRef, index: int) -> Materialized:
+        video = self._video()
+        # Every fact of the ref the clip is checked against is in the key: a ref pairing a
+        # cached clip's hash with another rate, frame count or size misses, and is probed.
+        key = (
+            "video",
+            ref.hash,
+            video.fingerprint,
+            ref.frames,
+            ref.num_frames,
+            ref.fps,
+            ref.width,
+            ref.height,
+        )
+        clip = self._cache.get(key, lambda: self._process_video(ref, video))
+        video.check_output(clip.tensors, ref, sample_id=None, video_index=index)
+        return clip
+
+    def _process_video(self, ref: VideoRef, video: VideoFamily) -> Materialized:
+        data = self.store.read_media(ref.uri, ref.hash)
+        limit = self.store.max_image_pixels
+        info = probe_video(data, max_pixels=limit, max_frames=MAX_CLIP_FRAMES, where=ref.uri)
+        if (info.width, info.height) != (ref.width, ref.height):
+            raise RefRefused(
+                "size_mismatch",
+                f"ref says {ref.width}x{ref.height}, the clip is {info.width}x{info.height}",
+            )
+        if (problem := clip_mismatch(info, ref)) is not None:
+            raise RefRefused("clip_mismatch", problem)
+        frames = decode_frames(data, ref.frames, max_pixels=limit, where=ref.uri)
+        outputs = {**video.process(frames, ref), **video.extras(ref)}
+        tensors = {}
+        for name, value in outputs.items():
+            array = np.ascontiguousarray(np.asarray(value))
+            if np.issubdtype(array.dtype, np.floating) and array.dtype != np.float32:
+                array = array.astype(np.float32)
+            array.flags.writeable = False  # shared by every request that hits this entry
+            tensors[name] = array
+        return Materialized(tensors, ref.width, ref.height)
+
+    def _inputs(
+        self, refs: Sequence[ImageRef | VideoRef], materialized: Sequence[Materialized]
+    ) -> dict[str, Any]:
         import torch  # torch, and so the loader's stacking, only once images are served
 
         from mmstore._loading.stack import batch_images
 
+        images = [m for r, m in zip(refs, materialized, strict=True) if isinstance(r, ImageRef)]
         # Views of the read-only cache entries, no copy: collation concatenates into new
         # memory and never writes its inputs (torch warns about any non-writable array).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             views = [{k: torch.from_numpy(v) for k, v in m.tensors.items()} for m in images]
         batched = batch_images(self.adapter, views)
-        return {
+        out: dict[str, Any] = {
             **{k: v.numpy() for k, v in batched.items()},
-            "hashes": [ref.hash for ref in refs],
+            "hashes": [ref.hash for ref in refs if isinstance(ref, ImageRef)],
         }
+        video_refs = [r for r in refs if isinstance(r, VideoRef)]
+        if video_refs:
+            clips = [m for r, m in zip(refs, materialized, strict=True) if isinstance(r, VideoRef)]
+            for name in self._video().input_names:  # concatenated: new memory, not the cache's
+                out[name] = np.concatenate([clip.tensors[name] for clip in clips])
+            out["video_uuids"] = [_video_uuid(ref) for ref in video_refs]
+        return out
+
+
+def _video_uuid(ref: VideoRef) -> str:
+    """:func:`mmstore.integrations.vllm.video_uuid` (which imports this module): the clip's
+    hash and its frames, the uuid ``to_vllm_prompt`` gives the video."""
+    frames = np.asarray(ref.frames, dtype="<i4").tobytes()
+    return f"{ref.hash}-{xxhash.xxh3_64_hexdigest(frames)}"
 
 
 def _as_error(index: int | None, exc: Exception) -> dict[str, Any]:
@@ -246,7 +393,7 @@ def _as_error(index: int | None, exc: Exception) -> dict[str, Any]:
         if isinstance(exc, kind):
             return _error(index, reason, str(exc) or type(exc).__name__)
     # A bug or an environment failure, not the client's ref: log it, still answer.
-    log.exception("resolving image ref %s failed unexpectedly", index)
+    log.exception("resolving media ref %s failed unexpectedly", index)
     return _error(index, "internal_error", f"{type(exc).__name__}: {exc}")
 
 

@@ -167,10 +167,12 @@ class _Materialize:
     ) -> None:
         import torch
 
+        from mmstore._loading.collate import collate_videos
         from mmstore._loading.materialize import Materializer
         from mmstore._loading.stack import batch_images
 
         self.batch_images = batch_images
+        self.collate_videos = collate_videos
         self.store = store
         self.units = units
         self.materializer = Materializer(
@@ -199,7 +201,8 @@ class _Materialize:
         return out
 
     def _append(self, out: dict[str, list[Any]], unit: WorkUnit, sample: Any) -> None:
-        images = self.batch_images(self.materializer.adapter, sample.images)
+        adapter = self.materializer.adapter
+        images = self.batch_images(adapter, sample.images)
         record = {
             "run_id": unit.run_id,
             "step": unit.step,
@@ -210,13 +213,17 @@ class _Materialize:
             "advantage": sample.advantage,
             "reward": sample.reward,
             **{k: _numpy(v) for k, v in images.items()},
+            **{k: _numpy(v) for k, v in self.collate_videos(adapter, sample.videos).items()},
         }
         for key, value in record.items():
             out.setdefault(key, []).append(value)
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    # numpy has no bfloat16: floating tensors travel as float32 (cast on the device).
+def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
+    # numpy has no bfloat16: floating tensors travel as float32 (cast on the device). None:
+    # a sample without videos, where its family takes them.
+    if tensor is None:
+        return None
     return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
 
 

@@ -32,13 +32,24 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+import xxhash
 from PIL import Image
 
 from mmstore._exceptions import InvalidRolloutError, MmstoreError
-from mmstore._families import Family, expansion_array, family_for_layout, layout_for_fingerprint
+from mmstore._families import (
+    Family,
+    VideoFamily,
+    expansion_array,
+    family_for_layout,
+    is_video_layout,
+    layout_for_fingerprint,
+    video_family_for_layout,
+)
 from mmstore._format.media import upright_bytes
-from mmstore._format.models import ImageRef, Rollout
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, Rollout, VideoRef
+from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
+from mmstore._rows.invariants import check_video_spans
 from mmstore._rows.store import Store
 from mmstore.integrations._resolver import (
     DEFAULT_CACHE_BYTES,
@@ -60,11 +71,12 @@ __all__ = [
     "to_prefill_request",
     "to_vllm_prefill",
     "to_vllm_prompt",
+    "video_uuid",
 ]
 
 
 def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> dict[str, Any]:
-    """vLLM's token prompt for ``rollout.tokens[:upto]`` with its whole images.
+    """vLLM's token prompt for ``rollout.tokens[:upto]`` with its whole images and videos.
 
     ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [PIL RGB, ...]},
     "multi_modal_uuids": {"image": [content hash, ...]}}``, one image and one uuid per span in
@@ -75,9 +87,17 @@ def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> d
     again: the pixels the trainer gets, whichever vLLM); the content hash as uuid lets vLLM's
     multimodal cache skip an image it has processed. ``upto`` cutting inside a span is an
     :class:`InvalidRolloutError`.
+
+    Videos go under ``"video"`` as vLLM takes pre-sampled clips: ``(frames, metadata)``, the
+    ref's frames (uint8 ``[T, H, W, 3]``, decoded from the hash-verified clip) and a metadata
+    dict naming them (``frames_indices``, ``fps``, ``total_num_frames``, ``duration``,
+    ``do_sample_frames=False``: vLLM must not sample again); each video's uuid is
+    :func:`video_uuid` (its clip's hash and its frames), and its span becomes the one video
+    token the chat template emits.
     """
     tokens, refs = _prefix(rollout, upto)
-    prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout)}
+    videos = _videos_before(rollout, len(tokens))
+    prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout, videos)}
     data: dict[str, list[Any]] = {}
     uuids: dict[str, list[str]] = {}
     for i, ref in enumerate(refs):
@@ -86,6 +106,9 @@ def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> d
         image = _verified(store, rollout, i, ref, _decode)
         data.setdefault(family.vllm_modality, []).append(family.vllm_item(image, ref.hash))
         uuids.setdefault(family.vllm_modality, []).append(ref.hash)
+    for i, video in enumerate(videos):
+        data.setdefault("video", []).append(_video_item(store, rollout, i, video))
+        uuids.setdefault("video", []).append(video_uuid(video))
     if data:
         prompt["multi_modal_data"], prompt["multi_modal_uuids"] = data, uuids
     return prompt
@@ -188,16 +211,103 @@ def _check_bounds(rollout: Rollout) -> None:
         )
 
 
-def _collapse(tokens: Sequence[int], refs: Sequence[ImageRef], rollout: Rollout) -> list[int]:
-    """Each span -> the one image token its family's chat template emits (vLLM expands it
-    back); refuse spans an engine would misread."""
+def video_uuid(ref: VideoRef) -> str:
+    """vLLM's cache key of one video item: the clip's content hash and the frames taken from
+    it (two refs to other frames of one clip are other inputs)."""
+    frames = np.asarray(ref.frames, dtype="<i4").tobytes()
+    return f"{ref.hash}-{xxhash.xxh3_64_hexdigest(frames)}"
+
+
+def _videos_before(rollout: Rollout, cut: int) -> list[VideoRef]:
+    """The videos lying wholly inside ``tokens[:cut]`` (a cut inside one is refused)."""
+    kept = []
+    for index, ref in enumerate(rollout.videos):
+        end = ref.offset + ref.length
+        if end <= cut:
+            kept.append(ref)
+        elif ref.offset < cut:
+            raise InvalidRolloutError(
+                f"upto={cut} cuts video span [{ref.offset}, {end}); cut before or after it",
+                sample_id=rollout.sample_id,
+                video_index=index,
+            )
+    return kept
+
+
+def _video_family(ref: VideoRef, sid: str, index: int) -> VideoFamily:
+    layout = layout_for_fingerprint(ref.layout_fingerprint)
+    if layout is None or not is_video_layout(layout) or layout.family != ref.family:
+        raise InvalidRolloutError(
+            f"unknown video layout {ref.layout_fingerprint!r} ({ref.family}): build its "
+            "adapter's video half (mmstore.adapter_for(processor).video) in this process first",
+            sample_id=sid,
+            video_index=index,
+        )
+    return video_family_for_layout(layout)
+
+
+def _video_item(
+    store: Store, rollout: Rollout, index: int, ref: VideoRef
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """One video as vLLM takes a pre-sampled clip: its frames and their metadata."""
+    limit = store.max_image_pixels
+    try:
+        data = store.read_media(ref.uri, ref.hash)
+        info = probe_video(data, max_pixels=limit, max_frames=MAX_CLIP_FRAMES, where=ref.uri)
+        frames = decode_frames(data, ref.frames, max_pixels=limit, where=ref.uri)
+    except MmstoreError as exc:
+        raise exc.with_context(sample_id=rollout.sample_id, video_index=index) from exc
+    # The metadata vLLM lays the span out with comes from the ref: it must be the clip's.
+    if (problem := clip_mismatch(info, ref)) is not None:
+        raise InvalidRolloutError(
+            problem, sample_id=rollout.sample_id, video_index=index, uri=ref.uri
+        )
+    metadata = {
+        "total_num_frames": ref.num_frames,
+        "fps": ref.fps,
+        "duration": ref.num_frames / ref.fps,
+        "frames_indices": list(ref.frames),
+        "video_backend": "pyav",
+        "do_sample_frames": False,
+    }
+    return frames, metadata
+
+
+def _collapse(
+    tokens: Sequence[int],
+    refs: Sequence[ImageRef],
+    rollout: Rollout,
+    videos: Sequence[VideoRef] = (),
+) -> list[int]:
+    """Each span -> the one image (video) token its family's chat template emits (vLLM
+    expands it back); refuse spans an engine would misread."""
     sid = rollout.sample_id
     ids = np.asarray(tokens, dtype=np.int64)
+    if videos:  # the writer's video span rule, against the layouts of this process
+        check_video_spans(
+            ids,
+            videos,
+            lambda i: _video_family(videos[i], sid, i),
+            [(r.offset, r.length) for r in refs],
+        )
+        ids = ids.copy()
+        for video in videos:  # their tokens are the videos' own: not stray image tokens
+            ids[video.offset : video.offset + video.length] = -1
     in_span = np.zeros(len(ids), dtype=bool)
     special: set[int] = set()
     out: list[int] = []
     cursor = 0
-    for index, ref in enumerate(refs):
+    spans: list[tuple[int, ImageRef | VideoRef]] = [*enumerate(refs)]
+    if videos:  # (checked apart from the images above) merged in, images kept in their order
+        for number, clip in enumerate(videos):
+            at = next((k for k, (_, r) in enumerate(spans) if r.offset > clip.offset), None)
+            spans.insert(len(spans) if at is None else at, (number, clip))
+    for index, ref in spans:
+        if isinstance(ref, VideoRef):
+            out.extend(tokens[cursor : ref.offset])
+            out.append(_video_family(ref, sid, index).video_token_id)
+            cursor = ref.offset + ref.length
+            continue
         family = _family(ref, sid, index)
         end = ref.offset + ref.length
         if ref.offset < cursor:
