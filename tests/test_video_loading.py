@@ -123,7 +123,7 @@ def test_packed_video_samples_give_the_logits_of_each_sample_alone(mixed_store, 
     assert sorted(seen) == ["s0", "s1", "s2", "s3"]
 
 
-def test_packed_qwen25_videos_are_refused_naming_the_sample(store):
+def test_packed_qwen25_videos_need_the_models_tokens_per_second(store):
     processor = qwen25_processor()
     clip = store.put_video(synth.screen_recording(1, num_frames=12, width=64, height=64))
     write_rows(store, processor, [(VIDEO_TEXT, {"videos": [clip], "fps": 2.0})])
@@ -131,7 +131,9 @@ def test_packed_qwen25_videos_are_refused_naming_the_sample(store):
     padded = next(iter(mmstore.RolloutLoader(dataset, batch_size=1)))
     # Padded batches carry Qwen2.5-VL's temporal spacing: temporal_patch_size / sampled rate.
     assert padded["second_per_grid_ts"].tolist() == [2 / (4 / 12 * 12.0)]
-    with pytest.raises(mmstore.InvalidArgumentError, match="tokens_per_second") as err:
+    # Its packed positions step by the model's vision_config.tokens_per_second: without the
+    # model's config, refused naming the sample (the packing test gives it).
+    with pytest.raises(mmstore.InvalidArgumentError, match=r"model_config=model\.config") as err:
         next(iter(mmstore.RolloutLoader(dataset, batch_size=1, max_tokens=1024)))
     assert err.value.sample_id == "s0" and err.value.run_id == "r1"
 
@@ -234,17 +236,18 @@ def test_a_dataset_refuses_videos_its_processor_did_not_lay_out_before_reading(
 def packable_cases() -> list[Any]:
     from tests.video_cases import TIMESTAMPED_VIDEO_CASES, VIDEO_CASES
 
-    cases = {**VIDEO_CASES, **TIMESTAMPED_VIDEO_CASES}
-    return [case for name, case in cases.items() if name != "qwen2.5-vl"]  # refused, above
+    return list({**VIDEO_CASES, **TIMESTAMPED_VIDEO_CASES}.values())
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("case", packable_cases(), ids=str)
 def test_every_video_family_packs_samples_as_they_run_alone(store, case, attn):
     """Each family's own positions (Qwen2-VL's and Qwen3-VL's M-RoPE with its per-slab
-    timestamps, GLM-4.1V's with video tokens typed 2 between its markers, Kimi-K2.5's 1-D)."""
+    timestamps, Qwen2.5-VL's stepping by the model's tokens_per_second, GLM-4.1V's with video
+    tokens typed 2 between its markers, Kimi-K2.5's 1-D)."""
     processor = case.small()
-    adapter = mmstore.adapter_for(processor)
+    model = case.tiny_model(torch.float32, attn)
+    adapter = mmstore.adapter_for(processor, model_config=model.config)
     clip = store.put_video(synth.screen_recording(8, num_frames=24, width=96, height=64))
     other = store.put_video(synth.screen_recording(9, num_frames=12, width=64, height=80, fps=6))
     rows = [(case.text("video"), [clip]), (case.text("video"), [other]), (case.text(), [])]
@@ -262,8 +265,7 @@ def test_every_video_family_packs_samples_as_they_run_alone(store, case, attn):
                     videos=expanded.videos,
                 )
             )
-    model = case.tiny_model(torch.float32, attn)
-    dataset = mmstore.RolloutDataset(store, processor, dtype=torch.float32)
+    dataset = mmstore.RolloutDataset(store, adapter, dtype=torch.float32)
     plain = mmstore.RolloutLoader(dataset, batch_size=1)
     alone = {}
     for batch in plain:

@@ -110,6 +110,9 @@ class Family(OfLayout, ABC):
     #: video half to its ``video_processor`` on first use of :attr:`video`
     video_source: Any = None
     video_binder: Callable[[Family], VideoFamily] | None = None
+    #: the model's config, where a family's position ids read it (Qwen2.5-VL videos'
+    #: ``vision_config.tokens_per_second``); ``mmstore.adapter_for(..., model_config=)``
+    model_config: Any = None
 
     def __init__(self, layout: Layout, image_processor: Any = None) -> None:
         if layout.family != self.name:

@@ -136,15 +136,18 @@ class SmartResizeFamily(GridFamily):
             ) from None
 
 
-def weightless_rope_index(model_cls: Any, merge_size: int) -> Callable[..., Any]:
+def weightless_rope_index(model_cls: Any, merge_size: int, **vision: Any) -> Callable[..., Any]:
     """``model_cls.get_rope_index`` (a transformers M-RoPE model) bound to a stand-in.
 
-    The function reads ``self.config.vision_config.spatial_merge_size`` and calls
-    ``self.get_vision_position_ids`` (pure index math), nothing else of the model: bound to
-    this stand-in it runs the model's own code without building any weights.
+    The function reads ``self.config.vision_config.spatial_merge_size`` (and ``vision``'s
+    settings: Qwen2.5-VL's ``tokens_per_second``) and calls ``self.get_vision_position_ids``
+    (pure index math), nothing else of the model: bound to this stand-in it runs the model's
+    own code without building any weights.
     """
     owner = SimpleNamespace(
-        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge_size))
+        config=SimpleNamespace(
+            vision_config=SimpleNamespace(spatial_merge_size=merge_size, **vision)
+        )
     )
     owner.get_vision_position_ids = MethodType(model_cls.get_vision_position_ids, owner)
     return MethodType(model_cls.get_rope_index, owner)

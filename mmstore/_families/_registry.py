@@ -115,14 +115,20 @@ def family_class(name: str) -> type[Family]:
 
 
 def adapter_for(
-    processor: Any, *, image_token_id: int | None = None, video_processor: Any = None
+    processor: Any,
+    *,
+    image_token_id: int | None = None,
+    video_processor: Any = None,
+    model_config: Any = None,
 ) -> Family:
     """The family adapter for a transformers image processor or full processor.
 
     A full processor (image processor + tokenizer) supplies the token ids from its tokenizer;
     an image processor alone gets the family's published ids. The adapter's video half
     (:attr:`Family.video`) binds to the full processor's video processor, or to
-    ``video_processor`` given beside an image processor. An adapter is its own adapter.
+    ``video_processor`` given beside an image processor. ``model_config``: the model's
+    config, for position ids that read it (packing Qwen2.5-VL videos). An adapter is its own
+    adapter.
     """
     if isinstance(processor, Family):
         return processor
@@ -147,6 +153,7 @@ def adapter_for(
         )
     adapter.video_source = processor  # its video half is bound on first use (Family.video)
     adapter.video_binder = video_adapter_for
+    adapter.model_config = model_config
     register_layout(adapter.layout)  # readers of this process can now redo its layout math
     return adapter
 

@@ -71,26 +71,52 @@ class QwenVL(SmartResizeFamily):
         grid = _grids(images, "image_grid_thw")
         video_grid = _grids(videos, "video_grid_thw")
         if video_grid is not None:
-            if any("second_per_grid_ts" in video for video in videos):
-                raise InvalidArgumentError(
-                    "packing Qwen2.5-VL videos needs the model's vision tokens_per_second, "
-                    "which the loader does not know: read them padded (max_tokens=None)"
-                )
             self.video.mark_token_types(ids, types)
         if grid is None and video_grid is None:  # text only: get_rope_index expects vision
             return torch.arange(ids.shape[1], dtype=torch.int64)[None].expand(3, -1).clone()
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-        model: Any = Qwen2VLModel
+        merge = self.layout.param("merge_size")
         if video_grid is not None and isinstance(self.video, Qwen3VLVideo):
             # Qwen3-VL's function splits each video's grid per frame slab (its timestamps
             # separate them); for images it agrees with Qwen2-VL's.
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-            model = Qwen3VLModel
-        rope_index = weightless_rope_index(model, self.layout.param("merge_size"))
-        positions, _ = rope_index(ids, types, grid, video_grid)
+            positions, _ = weightless_rope_index(Qwen3VLModel, merge)(ids, types, grid, video_grid)
+        elif video_grid is not None and self.video.layout.param("grid_seconds"):
+            positions = self._qwen25_positions(ids, types, grid, video_grid, videos)
+        else:
+            positions, _ = weightless_rope_index(Qwen2VLModel, merge)(ids, types, grid, video_grid)
         return positions[:, 0]
+
+    def _qwen25_positions(
+        self,
+        ids: torch.Tensor,
+        types: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor,
+        videos: Sequence[Mapping[str, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Qwen2.5-VL's function, whose video positions step by the model's
+        ``vision_config.tokens_per_second`` times each video's ``second_per_grid_ts``."""
+        import torch
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+        vision = getattr(self.model_config, "vision_config", None)
+        per_second = getattr(vision, "tokens_per_second", None)
+        if per_second is None:
+            raise InvalidArgumentError(
+                "packing Qwen2.5-VL videos needs the model's vision_config.tokens_per_second "
+                "(their positions step by it): build the adapter with "
+                "mmstore.adapter_for(processor, model_config=model.config) and give the "
+                "dataset that adapter, or read them padded (max_tokens=None)"
+            )
+        seconds = torch.cat([video["second_per_grid_ts"].reshape(-1) for video in videos])
+        rope_index = weightless_rope_index(
+            Qwen2_5_VLModel, self.layout.param("merge_size"), tokens_per_second=per_second
+        )
+        positions, _ = rope_index(ids, types, grid, video_grid, second_per_grid_ts=seconds)
+        return positions
 
 
 def _grids(media: Sequence[Mapping[str, torch.Tensor]], key: str) -> torch.Tensor | None:
