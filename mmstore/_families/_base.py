@@ -22,7 +22,6 @@ loader, collate and the vLLM integration ask the family.
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property, lru_cache
@@ -410,7 +409,7 @@ def run_processor(
     ``overrides`` replace call arguments of :meth:`Family.processor_kwargs` (the device stage
     passes ``device=`` and ``return_tensors="pt"`` to a torchvision backend).
     ``cast_to``: a torchvision backend casts its floats to this dtype as soon as it has
-    normalized them (:func:`_casting_after_normalize`); other backends ignore it.
+    normalized them (:func:`mmstore._tensors.casting_after_normalize`); other backends ignore it.
     """
     processor = family.image_processor
     if processor is None:
@@ -421,30 +420,10 @@ def run_processor(
         # 4-pixel-wide image looks like channels last to it.
         kwargs["input_data_format"] = "channels_first"
     if cast_to is not None and takes_tensors(processor):
-        processor = _casting_after_normalize(processor, cast_to)
+        from mmstore._tensors import casting_after_normalize  # torch: with a dtype only
+
+        processor = casting_after_normalize(processor, cast_to)
     return processor(images=list(images), **kwargs)
-
-
-def _casting_after_normalize(image_processor: Any, dtype: torch.dtype) -> Any:
-    """A shallow copy of a torchvision ``image_processor`` that casts its floats to ``dtype``
-    right after ``rescale_and_normalize``.
-
-    Every family's processor only moves data after normalizing (patch shuffles, the temporal
-    copy of Qwen-VL and GLM-4V, Pixtral's zero padding), and a cast commutes with moving
-    data: the output is bit for bit the processor's cast afterwards (tested for every
-    family), but the moves carry half the bytes, and Qwen-VL's temporal copy doubles them
-    after the cast rather than before: 26 against 31 ms for a 1080p screenshot here. A copy
-    per call, so that the caller's processor is never changed and later changes to it count.
-    """
-    processor = copy.copy(image_processor)
-    normalize = processor.rescale_and_normalize
-
-    def rescale_and_normalize(*args: Any, **kwargs: Any) -> Any:
-        images = normalize(*args, **kwargs)
-        return images.to(dtype) if images.is_floating_point() else images
-
-    processor.rescale_and_normalize = rescale_and_normalize
-    return processor
 
 
 def size_value(size: Any, *keys: str) -> int:

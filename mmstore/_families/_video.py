@@ -344,15 +344,16 @@ class VideoFamily(OfLayout, ABC):
 
         if self.video_processor is None:
             raise UnsupportedProcessorError(f"{self!r} has no video processor to run")
+        from mmstore._tensors import cast_floats, casting_after_normalize
+
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
-        out = self.video_processor(
-            videos=[video], return_tensors="pt", **self.processor_kwargs(ref)
-        )
+        processor = self.video_processor
+        if dtype is not None:  # patchify and concatenate move half the bytes, same bits
+            processor = casting_after_normalize(processor, dtype)
+        out = processor(videos=[video], return_tensors="pt", **self.processor_kwargs(ref))
         selected = {key: out[key] for key in self.video_inputs}
         if dtype is None:
             return {key: np.asarray(value) for key, value in selected.items()}
-        from mmstore._tensors import cast_floats
-
         return cast_floats(selected, dtype)
 
     def processor_kwargs(self, ref: VideoRef) -> dict[str, Any]:
