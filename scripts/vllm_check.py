@@ -17,6 +17,9 @@ store, reads a rollout back from its Parquet file, then checks:
    (reported, not required: older vLLMs refuse ``None`` items).
 5. ``prefill``: ``to_vllm_prefill`` scores the whole rollout; vLLM's prompt is the stored
    tokens and its response logprobs are reported beside the HF ones.
+6. ``video_generate``: a rollout whose prompt holds a video clip (``store.put_video``, the
+   frames its processor sampled at 2 fps): vLLM takes ``to_vllm_prompt``'s pre-sampled clip
+   and re-expands its one ``<|video_pad|>`` to exactly the stored span.
 
 Usage: ``python scripts/vllm_check.py [--workdir DIR] [--hf-only]``. Prints a JSON report;
 exits 1 if a check fails. Needs vLLM >= 0.19.1 (``pip install 'mmstore[vllm]'``).
@@ -37,7 +40,7 @@ import pyarrow.parquet as pq
 import mmstore
 from mmstore._format.models import table_to_rollouts
 from mmstore.integrations import vllm as mmvllm
-from mmstore.synth import grpo_rollouts
+from mmstore.synth import grpo_rollouts, screen_recording
 
 FIRST_SPECIAL = 151643
 SPECIALS = [  # Qwen2-VL's special tokens, in id order from 151643
@@ -45,6 +48,7 @@ SPECIALS = [  # Qwen2-VL's special tokens, in id order from 151643
     "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
     "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]  # fmt: skip
+VIDEO_PAD = FIRST_SPECIAL + SPECIALS.index("<|video_pad|>")
 MAX_PIXELS = 64 * 28 * 28  # at most 64 image tokens: a tiny vision budget for profiling
 
 
@@ -167,6 +171,33 @@ def hf_forward(model_dir: Path, store: mmstore.Store, rollout: mmstore.Rollout) 
     return [float(logprobs[k - 1, rollout.tokens[k]]) for k in range(rollout.prompt_len, n)]
 
 
+def stored_video_rollout(root: Path, image_processor: Any) -> mmstore.Rollout:
+    """A rollout with a video clip in its prompt, laid out by the video processor the model
+    directory saves (Qwen2VLVideoProcessor's defaults), written and read back."""
+    from transformers.models.qwen2_vl import Qwen2VLVideoProcessor
+
+    store = mmstore.Store.open(root)
+    adapter = mmstore.adapter_for(image_processor, video_processor=Qwen2VLVideoProcessor())
+    clip = store.put_video(screen_recording(seed=1, num_frames=24, width=160, height=96, fps=12))
+    video = adapter.video.video_token_id
+    start, end = (FIRST_SPECIAL + SPECIALS.index(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    prompt = [5, 6, start, video, end, 7, 8]
+    expanded = adapter.expand_media(prompt, videos=[clip], fps=2.0)
+    n = len(expanded.tokens)
+    with store.writer(run_id="check-video", step=0, adapter=adapter) as writer:
+        writer.write(
+            mmstore.Rollout(
+                sample_id="video-0",
+                tokens=[*expanded.tokens, 11, 12],
+                prompt_len=n,
+                loss_mask=[False] * n + [True, True],
+                videos=expanded.videos,
+            )
+        )
+    (rollout,) = store.rollouts("check-video")
+    return rollout
+
+
 def mm_cache_counters(llm: Any) -> dict[str, float]:
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
@@ -190,7 +221,7 @@ def vllm_checks(
         gpu_memory_utilization=0.3,
         enforce_eager=True,
         seed=0,
-        limit_mm_per_prompt={"image": 2},
+        limit_mm_per_prompt={"image": 2, "video": 1},
         disable_log_stats=False,  # the mm cache counters are stats
     )
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
@@ -226,6 +257,15 @@ def vllm_checks(
     except Exception as exc:  # older vLLMs require the data itself
         report["uuid_only"] = {"served": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
 
+    video = report.pop("_video_rollout")
+    (out4,) = llm.generate(mmvllm.to_vllm_prompt(store, video, upto=video.prompt_len), greedy)
+    report["video_generate"] = {
+        "ok": list(out4.prompt_token_ids) == video.tokens[: video.prompt_len],
+        "prompt_tokens_engine": len(out4.prompt_token_ids),
+        "stored_prompt_tokens": video.prompt_len,
+        "video_span": (video.videos[0].offset, video.videos[0].length),
+    }
+
     request = mmvllm.to_vllm_prefill(store, first)
     (scored,) = llm.generate(request["prompt"], SamplingParams(**request["sampling_params"]))
     tokens = first.tokens
@@ -254,7 +294,16 @@ def run(workdir: Path, hf_only: bool) -> dict[str, Any]:
     response = hf_forward(model_dir, store, first)
     report["hf_forward"] = {"ok": len(response) == len(first.tokens) - first.prompt_len,
                             "response_logprobs": response}  # fmt: skip
+    video = stored_video_rollout(workdir / "store", image_processor)
+    # The prompt vLLM gets, built here too: a CPU run checks everything up to the engine.
+    sent = mmvllm.to_vllm_prompt(store, video, upto=video.prompt_len)
+    report["video_prompt"] = {
+        "ok": sent["prompt_token_ids"].count(VIDEO_PAD) == 1,  # the span, collapsed
+        "frames": list(video.videos[0].frames),
+        "uuid": sent["multi_modal_uuids"]["video"][0],
+    }
     if not hf_only:
+        report["_video_rollout"] = video
         vllm_checks(model_dir, store, rollouts, report)
     return report
 
