@@ -5,7 +5,6 @@ malformed video ref, before any decode where the ref alone shows it."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from typing import Any
@@ -22,19 +21,7 @@ from mmstore.integrations import vllm
 from mmstore.integrations.vllm import RefResolver, resolve_wire_refs
 from tests.families_common import word_level_tokenizer
 from tests.family_cases import QWEN_VL, WORDS, token_ids
-
-VIDEO_TEXT = "<|vision_start|><|video_pad|><|vision_end|>"
-IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
-SMALL_VIDEO = {"size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}}
-
-
-def small_video(processor: Any) -> Any:
-    """``processor`` with a small video processor (fast), the per-frame cap set explicitly."""
-    processor = copy.deepcopy(processor)
-    processor.video_processor = Qwen2VLVideoProcessor(
-        cap_pixels_per_frame=False, **copy.deepcopy(SMALL_VIDEO)
-    )
-    return processor
+from tests.test_video_loading import IMAGE_TEXT, SMALL_VIDEO, VIDEO_TEXT, small_video
 
 
 @pytest.fixture(scope="module")
