@@ -10,6 +10,7 @@ from mmstore._families._base import (
     run_processor,
     takes_tensors,
 )
+from mmstore._families._layout import OfLayout
 from mmstore._families._registry import (
     adapter_for,
     family_class,
@@ -29,6 +30,7 @@ from mmstore._families._video import Clip, VideoFamily, is_video_layout, sampled
 
 __all__ = [
     "Clip",
+    "OfLayout",
     "VideoFamily",
     "is_video_layout",
     "sampled_fps",

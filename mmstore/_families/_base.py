@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -43,13 +43,12 @@ from mmstore._families._layout import (
     published_token_ids,
     tokenizer_ids,
 )
+from mmstore._families._video import VideoFamily
 from mmstore._format.models import ImageRef, MediaRef, VideoRef
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
-
-    from mmstore._families._video import VideoFamily
 
 
 class Expanded(NamedTuple):
@@ -280,17 +279,29 @@ class Family(OfLayout, ABC):
 
     # -- video ------------------------------------------------------------------------
 
-    @cached_property
+    @property
     def video(self) -> VideoFamily:
         """The family's video half, bound to the full processor's video processor; raises
         :class:`UnsupportedProcessorError` for a family without video (Gemma 3, Pixtral) or
-        an adapter built without a video processor."""
-        if self.video_binder is None:
-            raise UnsupportedProcessorError(
-                f"{self!r} has no video processor: build it with mmstore.adapter_for(full "
-                "processor)"
-            )
-        return self.video_binder(self)
+        an adapter built without a video processor.
+
+        Bound once, refusal included: collate and the writer ask for it every batch and row,
+        and an image-only adapter must not pay a failed binding each time."""
+        bound = self.__dict__.get("_video")
+        if bound is None:
+            try:
+                if self.video_binder is None:
+                    raise UnsupportedProcessorError(
+                        f"{self!r} has no video processor: build it with "
+                        "mmstore.adapter_for(full processor)"
+                    )
+                bound = self.video_binder(self)
+            except UnsupportedProcessorError as exc:
+                bound = exc  # the refusal, raised afresh (its own traceback) on every ask
+            self.__dict__["_video"] = bound
+        if isinstance(bound, UnsupportedProcessorError):
+            raise UnsupportedProcessorError(bound.message, **bound.context)
+        return bound
 
     # -- the rollout side -------------------------------------------------------------
 

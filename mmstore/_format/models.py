@@ -134,6 +134,13 @@ class VideoRef(BaseModel):
         """The ref as its Arrow struct's values."""
         return {**self.model_dump(), "frames": list(self.frames)}
 
+    @property
+    def clip_key(self) -> tuple[Any, ...]:
+        """Everything of the ref that decides the processed clip and that readers check the
+        clip against: a cache keyed by it serves a ref pairing a cached clip's hash with
+        another rate, frame count or size nothing (it misses, and is probed)."""
+        return (self.hash, self.frames, self.num_frames, self.fps, self.width, self.height)
+
 
 def _to_list(value: Any) -> Any:
     # numpy arrays and torch tensors arrive from rollout code; store them as plain lists.

@@ -189,17 +189,7 @@ class Materializer:
         same frames of the same clip were processed (a GRPO group's shared clip)."""
         self.check_trust(ref, where)
         video = self.adapter.video
-        # Every fact of the ref the clip is checked against is in the key: a ref pairing a
-        # cached clip's hash with another rate or frame count misses, and is probed.
-        key = (
-            ref.hash,
-            video.fingerprint,
-            ref.frames,
-            ref.num_frames,
-            ref.fps,
-            ref.width,
-            ref.height,
-        )
+        key = (video.fingerprint, *ref.clip_key)
         outputs = self.cache.get(key)
         if outputs is None:
             processed = self.guarded(ref, where, sample, lambda: self._processed_video(ref))
@@ -237,12 +227,7 @@ class Materializer:
         if self._video_digest is None:
             self._video_digest = processor_digest(video.video_processor)
         key = self.node_cache.key(
-            ref.hash,
-            video.fingerprint,
-            ",".join(map(str, ref.frames)),
-            f"{ref.num_frames}/{ref.fps!r}/{ref.width}x{ref.height}",
-            str(self.dtype),
-            self._video_digest,
+            video.fingerprint, repr(ref.clip_key), str(self.dtype), self._video_digest
         )
         return self.node_cache.get_or_compute(
             key,

@@ -342,8 +342,7 @@ class RolloutWriter:
         adapters of this process if they are all of one family.
         """
         if self._adapter is not None:
-            video = video_half(self._adapter)
-            extra = video.special_token_ids if video is not None else frozenset()
+            extra = self._video.special_token_ids if self._video is not None else frozenset()
             return self._adapter.special_token_ids | extra
         layouts = list(self._layouts.values())
         if not layouts:
@@ -361,9 +360,8 @@ class RolloutWriter:
     def _layout(self, fingerprint: str) -> Layout | None:
         if self._adapter is not None and self._adapter.fingerprint == fingerprint:
             return self._adapter.layout
-        video = video_half(self._adapter) if self._adapter is not None else None
-        if video is not None and video.fingerprint == fingerprint:
-            return video.layout
+        if self._video is not None and self._video.fingerprint == fingerprint:
+            return self._video.layout
         return layout_for_fingerprint(fingerprint)
 
     def _flush_row_group(self) -> None:

@@ -45,7 +45,7 @@ from mmstore._exceptions import (
     VideoDecodeError,
     WireFormatError,
 )
-from mmstore._families import VideoFamily, adapter_for, video_half
+from mmstore._families import OfLayout, VideoFamily, adapter_for, video_half
 from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
 from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._rows.store import Store
@@ -215,21 +215,7 @@ class RefResolver:
         if isinstance(ref, VideoRef):
             return self._admit_video(ref)
         adapter = self.adapter
-        if ref.family != adapter.family:
-            raise RefRefused(
-                "family_mismatch", f"ref family {ref.family!r}, processor {adapter.family!r}"
-            )
-        if ref.layout_fingerprint != adapter.fingerprint:
-            raise RefRefused(
-                "fingerprint_mismatch",
-                f"ref laid out with {ref.layout_fingerprint!r}, this processor is "
-                f"{adapter.fingerprint!r}",
-            )
-        limit = self.store.max_image_pixels
-        if ref.width * ref.height > limit:
-            raise RefRefused(
-                "image_too_large", f"{ref.width}x{ref.height} exceeds the limit of {limit} pixels"
-            )
+        self._admit_layout(ref, adapter, "image")
         expected = adapter.num_tokens(ref.width, ref.height)
         if ref.length != expected:
             raise RefRefused(
@@ -239,6 +225,26 @@ class RefResolver:
             )
         self.store.resolve(ref.uri)  # trust, for every ref: a cache hit must not bypass it
         return ref
+
+    def _admit_layout(self, ref: ImageRef | VideoRef, layout: OfLayout, kind: str) -> None:
+        """Refuse a ref of another family or layout than ``layout`` (the processor's image or
+        video half), or whose frame size is over the store's pixel limit."""
+        if ref.family != layout.family:
+            raise RefRefused(
+                "family_mismatch", f"ref family {ref.family!r}, processor {layout.family!r}"
+            )
+        if ref.layout_fingerprint != layout.fingerprint:
+            raise RefRefused(
+                "fingerprint_mismatch",
+                f"{kind} ref laid out with {ref.layout_fingerprint!r}, this processor's "
+                f"{kind} layout is {layout.fingerprint!r}",
+            )
+        limit = self.store.max_image_pixels
+        if ref.width * ref.height > limit:
+            raise RefRefused(
+                "image_too_large",
+                f"{kind} of {ref.width}x{ref.height} exceeds the limit of {limit} pixels",
+            )
 
     def _video(self) -> VideoFamily:
         video = video_half(self.adapter)
@@ -252,22 +258,7 @@ class RefResolver:
 
     def _admit_video(self, ref: VideoRef) -> VideoRef:
         video = self._video()
-        if ref.family != video.family:
-            raise RefRefused(
-                "family_mismatch", f"ref family {ref.family!r}, processor {video.family!r}"
-            )
-        if ref.layout_fingerprint != video.fingerprint:
-            raise RefRefused(
-                "fingerprint_mismatch",
-                f"video ref laid out with {ref.layout_fingerprint!r}, this processor's video "
-                f"layout is {video.fingerprint!r}",
-            )
-        limit = self.store.max_image_pixels
-        if ref.width * ref.height > limit:
-            raise RefRefused(
-                "image_too_large",
-                f"{ref.width}x{ref.height} video frames exceed the limit of {limit} pixels",
-            )
+        self._admit_layout(ref, video, "video")
         if ref.num_frames > MAX_CLIP_FRAMES:
             raise RefRefused(
                 "image_too_large",
@@ -313,18 +304,7 @@ class RefResolver:
 
     def _materialize_video(self, ref: VideoRef, index: int) -> Materialized:
         video = self._video()
-        # Every fact of the ref the clip is checked against is in the key: a ref pairing a
-        # cached clip's hash with another rate, frame count or size misses, and is probed.
-        key = (
-            "video",
-            ref.hash,
-            video.fingerprint,
-            ref.frames,
-            ref.num_frames,
-            ref.fps,
-            ref.width,
-            ref.height,
-        )
+        key = ("video", video.fingerprint, *ref.clip_key)
         clip = self._cache.get(key, lambda: self._process_video(ref, video))
         video.check_output(clip.tensors, ref, sample_id=None, video_index=index)
         return clip
@@ -374,13 +354,14 @@ class RefResolver:
             clips = [m for r, m in zip(refs, materialized, strict=True) if isinstance(r, VideoRef)]
             for name in self._video().input_names:  # concatenated: new memory, not the cache's
                 out[name] = np.concatenate([clip.tensors[name] for clip in clips])
-            out["video_uuids"] = [_video_uuid(ref) for ref in video_refs]
+            out["video_uuids"] = [video_uuid(ref) for ref in video_refs]
         return out
 
 
-def _video_uuid(ref: VideoRef) -> str:
-    """:func:`mmstore.integrations.vllm.video_uuid` (which imports this module): the clip's
-    hash and its frames, the uuid ``to_vllm_prompt`` gives the video."""
+def video_uuid(ref: VideoRef) -> str:
+    """vLLM's cache key of one video item: the clip's content hash and the frames taken from
+    it (two refs to other frames of one clip are other inputs). ``to_vllm_prompt`` gives a
+    video this uuid (``mmstore.integrations.vllm`` exports it)."""
     frames = np.asarray(ref.frames, dtype="<i4").tobytes()
     return f"{ref.hash}-{xxhash.xxh3_64_hexdigest(frames)}"
 

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 from PIL import Image
 
 from mmstore._exceptions import InvalidRolloutError, MmstoreError
@@ -57,9 +56,11 @@ from mmstore.integrations._resolver import (
     RefRefused,
     RefResolver,
     resolve_wire_refs,
+    video_uuid,
 )
 
 T = TypeVar("T")
+R = TypeVar("R", ImageRef, VideoRef)
 Size = tuple[int, int]
 
 __all__ = [
@@ -96,7 +97,7 @@ def to_vllm_prompt(store: Store, rollout: Rollout, upto: int | None = None) -> d
     token the chat template emits.
     """
     tokens, refs = _prefix(rollout, upto)
-    videos = _videos_before(rollout, len(tokens))
+    videos = _inside(rollout, rollout.videos, len(tokens), "video")
     prompt: dict[str, Any] = {"prompt_token_ids": _collapse(tokens, refs, rollout, videos)}
     data: dict[str, list[Any]] = {}
     uuids: dict[str, list[str]] = {}
@@ -181,18 +182,24 @@ def _prefix(rollout: Rollout, upto: int | None) -> tuple[list[int], list[ImageRe
         raise InvalidRolloutError(
             f"upto={upto!r} must be an int in [0, {n}]", sample_id=rollout.sample_id
         )
-    kept: list[ImageRef] = []
-    for index, ref in enumerate(rollout.images):
+    return rollout.tokens[:cut], _inside(rollout, rollout.images, cut, "image")
+
+
+def _inside(rollout: Rollout, refs: Sequence[R], cut: int, kind: str) -> list[R]:
+    """The ``refs`` (images or videos) lying wholly inside ``tokens[:cut]``; a cut inside
+    one is refused, naming it."""
+    kept = []
+    for index, ref in enumerate(refs):
         end = ref.offset + ref.length
         if end <= cut:
             kept.append(ref)
         elif ref.offset < cut:
             raise InvalidRolloutError(
-                f"upto={cut} cuts image span [{ref.offset}, {end}); cut before or after it",
+                f"upto={cut} cuts {kind} span [{ref.offset}, {end}); cut before or after it",
                 sample_id=rollout.sample_id,
-                image_index=index,
+                **{f"{kind}_index": index},
             )
-    return rollout.tokens[:cut], kept
+    return kept
 
 
 def _check_bounds(rollout: Rollout) -> None:
@@ -209,29 +216,6 @@ def _check_bounds(rollout: Rollout) -> None:
             f"{images} images for {n} tokens: more than the tokens (or {MAX_ROW_IMAGES}) can hold",
             sample_id=rollout.sample_id,
         )
-
-
-def video_uuid(ref: VideoRef) -> str:
-    """vLLM's cache key of one video item: the clip's content hash and the frames taken from
-    it (two refs to other frames of one clip are other inputs)."""
-    frames = np.asarray(ref.frames, dtype="<i4").tobytes()
-    return f"{ref.hash}-{xxhash.xxh3_64_hexdigest(frames)}"
-
-
-def _videos_before(rollout: Rollout, cut: int) -> list[VideoRef]:
-    """The videos lying wholly inside ``tokens[:cut]`` (a cut inside one is refused)."""
-    kept = []
-    for index, ref in enumerate(rollout.videos):
-        end = ref.offset + ref.length
-        if end <= cut:
-            kept.append(ref)
-        elif ref.offset < cut:
-            raise InvalidRolloutError(
-                f"upto={cut} cuts video span [{ref.offset}, {end}); cut before or after it",
-                sample_id=rollout.sample_id,
-                video_index=index,
-            )
-    return kept
 
 
 def _video_family(ref: VideoRef, sid: str, index: int) -> VideoFamily:
