@@ -191,17 +191,25 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "live": (
         "benchmarks.bench_live",
         [
-            (
-                "live step start p50: per-step loader / LiveLoader",
-                "per_step_over_live_p50",
-                "better",
-            ),
-            (
-                "live step start p99: per-step loader / LiveLoader",
-                "per_step_over_live_p99",
-                "better",
-            ),
-            ("live step start p50 / decode+process floor", "live_p50_over_floor", "lower"),
+            row
+            for backend in ("pil", "torchvision")
+            for row in (
+                (
+                    f"live step start p50 ({backend}): per-step loader / LiveLoader",
+                    f"{backend}.per_step_over_live_p50",
+                    "better",
+                ),
+                (
+                    f"live step start p99 ({backend}): per-step loader / LiveLoader",
+                    f"{backend}.per_step_over_live_p99",
+                    "better",
+                ),
+                (
+                    f"live step start p50 ({backend}) / decode+process floor",
+                    f"{backend}.live_p50_over_floor",
+                    "lower",
+                ),
+            )
         ],
     ),
 }

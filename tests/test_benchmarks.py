@@ -20,7 +20,7 @@ def test_suite_smoke(tmp_path):
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert set(saved["results"]) == set(run.SUITE)
     table = next(tmp_path.glob("*.md")).read_text()
-    for name in ("loader", "disk", "resume", "scan", "video"):
+    for name in ("loader", "disk", "resume", "scan", "video", "live"):
         for label, value in run.headline(name, results[name]):
             assert label in table and value > 0
 

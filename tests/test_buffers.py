@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,3 +83,56 @@ def test_only_forked_workers_take_buffers(stored):
     assert mmstore.RolloutLoader(ds, num_workers=0)._batch_buffers() is None
     spawned = mmstore.RolloutLoader(ds, num_workers=2, multiprocessing_context="spawn")
     assert spawned._batch_buffers() is None
+
+
+def _live(store, workers):
+    return mmstore.LiveLoader(
+        store, PROCESSOR, runs=["r1"], batch_size=4, num_workers=workers, node_cache_bytes=0
+    )
+
+
+def _live_pixels(live, steps):
+    for _ in range(steps):
+        (batch,) = live.next_step(timeout=60)
+        yield batch["pixel_values"]
+
+
+@pytest.fixture(scope="module")
+def live_expected(stored):
+    """Every live step's pixels built in this process (no workers, no buffers)."""
+    with _live(stored, workers=0) as live:
+        return [p.clone() for p in _live_pixels(live, 12)]
+
+
+def test_live_steps_the_trainer_keeps_are_never_overwritten(stored, live_expected):
+    with _live(stored, workers=2) as live:
+        kept = list(_live_pixels(live, 12))
+        for got, want in zip(kept, live_expected, strict=True):
+            assert torch.equal(got, want)
+        assert len({_shm_file(p) for p in kept}) == len(kept)
+
+
+def test_live_steps_dropped_lend_their_memory_to_later_ones(stored, live_expected):
+    files = []
+    with _live(stored, workers=2) as live:
+        for got, want in zip(_live_pixels(live, 12), live_expected, strict=True):
+            assert torch.equal(got, want)
+            files.append(_shm_file(got))
+            del got  # the trainer is done with it
+    assert len(set(files)) < len(files)
+
+
+def test_a_batch_that_fails_gives_back_the_buffers_it_took(monkeypatch):
+    monkeypatch.setattr(_buffers, "get_worker_info", lambda: SimpleNamespace(id=0))
+    buffers = _buffers.BatchBuffers(workers=1, per_worker=2)
+    like = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="decode failed"), buffers.building():
+        taken = buffers.empty(like, (1 << 19,))  # 2 MiB: takes a buffer
+        assert taken is not None and _buffers.active is buffers
+        raise RuntimeError("decode failed")
+    assert _buffers.active is None
+    with buffers.building():
+        again = buffers.empty(like, (1 << 19,))
+    assert again is not None
+    # The same buffer, free again (else a second one would have been made).
+    assert again.untyped_storage().data_ptr() == taken.untyped_storage().data_ptr()

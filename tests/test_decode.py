@@ -38,6 +38,7 @@ def _same_pixels(data: bytes) -> None:
     expected = np.asarray(decode_rgb(data))
     got = decode_rgb_tensor(data)
     assert got.dtype == torch.uint8 and got.shape == (3, *expected.shape[:2])
+    assert got.is_contiguous()  # what the processor takes: it copies anything else again
     assert np.array_equal(got.permute(1, 2, 0).numpy(), expected)
 
 

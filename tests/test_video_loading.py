@@ -183,6 +183,21 @@ def test_the_live_loader_yields_a_committed_video_step(store, processor):
         model(**{k: batch[k] for k in live.model_input_names})
 
 
+def test_the_live_loader_refuses_videos_its_processor_cannot_lay_out(store, processor):
+    clip = store.put_video(synth.screen_recording(5, num_frames=16, width=96, height=64))
+    write_rows(store, processor, [(VIDEO_TEXT, {"videos": [clip], "fps": 2.0})] * 2)
+    other = small_video(QWEN_VL.small())
+    other.video_processor.temporal_patch_size = 4  # other tokens per clip: another layout
+    for image_processor in (processor.image_processor, other):  # no video half; another one
+        live = mmstore.LiveLoader(store, image_processor, runs=["r1"], batch_size=2)
+        for _ in range(2):  # refused on every call, never skipped: nothing is lost
+            with pytest.raises(mmstore.LayoutMismatchError, match="videos laid out") as err:
+                live.next_step(timeout=5)
+            assert err.value.runs == ["r1"]
+        assert live.state_dict()["cursor"] == [1, 0, 0]
+        live.close()
+
+
 def test_vllm_prompt_collapses_each_video_span_and_names_its_frames(store):
     processor = small_video(QWEN_VL.published())
     clip = store.put_video(synth.screen_recording(6, num_frames=24, width=168, height=112))

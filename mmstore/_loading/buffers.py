@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -89,11 +90,23 @@ class BatchBuffers:
 
     def labelled(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """``batches`` built with these buffers at hand, each labelled for :meth:`track`."""
+        with self.building():
+            for batch in batches:
+                yield self.label(batch)
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        """Batches built inside take free buffers (:func:`._stack.concat`); one that fails
+        gives back the buffers it took (no trainer will ever hold, nor free, them)."""
         global active
         active = self
         try:
-            for batch in batches:
-                yield self.label(batch)
+            yield
+        except BaseException:
+            for _, flag in self._filled:
+                self._busy[flag] = 0
+            self._filled.clear()
+            raise
         finally:
             active = None
 
@@ -104,6 +117,15 @@ class BatchBuffers:
         for key, flag in batch.pop(KEY, {}).items():
             weakref.finalize(batch[key].untyped_storage(), _release, self._busy, flag)
         return batch
+
+
+def batch_buffers(workers: int, start: str, prefetch_factor: int | None) -> BatchBuffers | None:
+    """Reusable shared memory for the batches of ``workers`` DataLoader workers started by
+    ``start``: forked workers only (they inherit the table of flags it shares)."""
+    if not workers or start != "fork":
+        return None
+    # In flight (prefetch_factor each), being built, and held by the trainer.
+    return BatchBuffers(workers, per_worker=(prefetch_factor or 2) + 2)
 
 
 def _release(busy: mmap.mmap, flag: int) -> None:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmstore._exceptions import InvalidArgumentError, LayoutMismatchError
 from mmstore._families import Family, adapter_for, takes_tensors, video_half
 from mmstore._format.media import warm_decoder
-from mmstore._loading.buffers import BatchBuffers
+from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
 from mmstore._loading.device import DevicePreprocessor, check_device
 from mmstore._loading.materialize import (
@@ -303,13 +303,29 @@ SHOWN = 3
 
 def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
     """Refuse a snapshot whose files were laid out for another processor, naming the runs."""
-    _check_video_layouts(store, adapter, snapshot)
-    found = fingerprints_by_file(store, snapshot)
-    wrong = {fp: files for fp, files in found.items() if fp != adapter.fingerprint}
+    refuse_other_layouts(
+        store,
+        adapter,
+        fingerprints_by_file(store, snapshot),
+        video_fingerprints_by_file(store, snapshot),
+    )
+
+
+def refuse_other_layouts(
+    store: Store,
+    adapter: Family,
+    images: dict[str, set[str]],
+    videos: dict[str, set[str]],
+) -> None:
+    """Refuse, before any worker starts, files whose images (``images``: fingerprint ->
+    files) or videos were laid out by another processor, naming the runs and first files."""
+    _refuse_video_layouts(adapter, videos)
+    wrong = {fp: files for fp, files in images.items() if fp != adapter.fingerprint}
     if not wrong:
         return
     runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
-    stored = recorded_layouts(store, snapshot.files)
+    files = sorted({f for files in wrong.values() for f in files})
+    stored = recorded_layouts(store, files)
     mine = adapter.layout.params()
     listing = "; ".join(
         f"runs {sorted(runs[fp])}: {_layout_diff(stored.get(fp), mine)}"
@@ -321,15 +337,14 @@ def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
         "parameters, or select other runs (runs=...)",
         runs=sorted({r for rs in runs.values() for r in rs}),
         # the first few files: a long run would fill a screen with paths
-        files=sorted({f for files in wrong.values() for f in files})[:SHOWN],
-        num_files=sum(len(files) for files in wrong.values()),
+        files=files[:SHOWN],
+        num_files=len(files),
     )
 
 
-def _check_video_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
-    """Refuse, before any worker starts, videos laid out by another video processor (or
-    videos where the processor has none), naming the runs and the first files."""
-    found = video_fingerprints_by_file(store, snapshot)
+def _refuse_video_layouts(adapter: Family, found: dict[str, set[str]]) -> None:
+    """Refuse videos laid out by another video processor (or videos where the processor
+    has none)."""
     video = video_half(adapter) if found else None
     wrong = {fp: files for fp, files in found.items() if video is None or fp != video.fingerprint}
     if not wrong:
@@ -769,12 +784,9 @@ class RolloutLoader:
     def _batch_buffers(self) -> BatchBuffers | None:
         """Reusable shared memory for the workers' batches (:mod:`._buffers`): forked
         workers only (they inherit the table of flags it shares)."""
-        if not self.num_workers:
-            return None
-        if start_method(self.multiprocessing_context) != "fork":
-            return None
-        # In flight (prefetch_factor each), being built, and held by the trainer.
-        return BatchBuffers(self.num_workers, per_worker=(self.prefetch_factor or 2) + 2)
+        return batch_buffers(
+            self.num_workers, start_method(self.multiprocessing_context), self.prefetch_factor
+        )
 
     def _order_settings(self) -> dict[str, Any]:
         """Everything besides the snapshot that decides which batch comes when."""

@@ -37,12 +37,13 @@ from mmstore._exceptions import (
     SampleTooLongError,
 )
 from mmstore._families import Family, adapter_for
+from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
 from mmstore._loading.dataset import (
-    _check_layouts,
     _node_cache_place,
     _rank_and_world,
     _read_ahead_bound,
+    refuse_other_layouts,
     training_dtype,
 )
 from mmstore._loading.materialize import (
@@ -56,12 +57,19 @@ from mmstore._loading.options import flag, optional_whole, whole
 from mmstore._loading.packed import UnitReader
 from mmstore._loading.prefetch import default_requests
 from mmstore._loading.spec import MaterializerSource
-from mmstore._loading.workers import RAISED, check_context, init_worker, inline_small, reraise
+from mmstore._loading.workers import (
+    RAISED,
+    check_context,
+    init_worker,
+    inline_small,
+    reraise,
+    start_method,
+)
 from mmstore._planning.live import UNKNOWN, GroupTooLarge, StepTake, rank_shares, take_step
 from mmstore._planning.pack import budget_for, plan_epoch
 from mmstore._rows.check import Sample
 from mmstore._rows.follow import Cursor, FollowedFile, LogFollower
-from mmstore._rows.snapshot import Snapshot, WorkUnit
+from mmstore._rows.snapshot import WorkUnit
 from mmstore._rows.store import Store
 
 STATE_KIND = "mmstore.LiveLoader"
@@ -148,15 +156,22 @@ class _MicroBatches(Dataset[dict[str, Any]]):
         self.distinct_images = distinct_images
         self.dummy_image = dummy_image
         self._reader: UnitReader | None = None
+        # Forked workers' reusable shared memory (set as the DataLoader is made).
+        self.buffers: BatchBuffers | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None}
+        return {**self.__dict__, "_reader": None, "buffers": None}
 
     def __getitem__(self, task: MicroTask) -> dict[str, Any]:
         try:
-            batch = self._build(task)
-            # Small tensors travel inside the pickle from a worker (see inline_small).
-            return batch if get_worker_info() is None else inline_small(batch)
+            if get_worker_info() is None:
+                return self._build(task)
+            if self.buffers is None:
+                return inline_small(self._build(task))
+            # Large tensors into buffers the trainer let go, small ones inside the pickle.
+            with self.buffers.building():
+                batch = self._build(task)
+            return inline_small(self.buffers.label(batch))
         except MmstoreError as exc:
             return {RAISED: exc}
 
@@ -469,8 +484,14 @@ class LiveLoader:
             # A file laid out for another processor raises here, and again on every call:
             # it stays first in line, never skipped (its rows would be lost to a resume).
             followed = self._unchecked[0]
-            snapshot = Snapshot((followed.file.path,), followed.units, followed.version)
-            _check_layouts(self.store, self.adapter, snapshot)
+            path, facts = followed.file.path, followed.facts
+            assert facts.layouts is not None and facts.video_layouts is not None
+            refuse_other_layouts(
+                self.store,
+                self.adapter,
+                {fp: {path} for fp in facts.layouts},
+                {fp: {path} for fp in facts.video_layouts},
+            )
             self._waiting.extend(_groups_of(followed))
             self._unchecked.popleft()
 
@@ -499,6 +520,8 @@ class LiveLoader:
         loader = self._dataloader()
         for built in loader:
             reraise(built)
+            if self._work.buffers is not None:
+                self._work.buffers.track(built)
             if built["images_missing"]:
                 warnings.warn(
                     f"{built['images_missing']} sample(s) had missing media, replaced by "
@@ -569,6 +592,8 @@ class LiveLoader:
         """One DataLoader for the loader's life: its workers persist across steps."""
         if self._loader is None:
             workers = self.num_workers
+            start = start_method(self.multiprocessing_context) if workers else ""
+            self._work.buffers = batch_buffers(workers, start, self.prefetch_factor)
             self._loader = DataLoader(
                 self._work,
                 batch_size=None,

@@ -158,7 +158,9 @@ class LogFollower:
                 if index == self.start.index:
                     first_row = self.start.row
             check_run_id(file)  # its path must name the run the log says
-            facts = read_file_facts(self.store, file.path, self.max_len, FOLLOWED_COLUMNS)
+            facts = read_file_facts(
+                self.store, file.path, self.max_len, FOLLOWED_COLUMNS, layouts=True
+            )
             units = tuple(file_units(self.store, file.path, facts.meta))
             files.append(FollowedFile(entry.version, index, file, units, facts, first_row))
         return files

@@ -10,7 +10,7 @@ the ``tokens`` list lengths), the ``group_id`` column and the ``images[].offset`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from mmstore._exceptions import CorruptFileError, InvalidRolloutError
 from mmstore._format.schema import ROLLOUT_SCHEMA, decode_num_tokens
-from mmstore._rows.files import image_leaf, open_rollout_file
+from mmstore._rows.files import image_leaf, media_leaf, open_rollout_file
 from mmstore._rows.invariants import truncation_point
 from mmstore._rows.snapshot import Snapshot
 from mmstore._storage.store import Storage
@@ -81,6 +81,9 @@ class FileFacts:
     images: np.ndarray  # int64 [rows], images kept
     block_start: np.ndarray  # bool [rows], True where a run of one group_id starts
     columns: dict[str, pa.ChunkedArray]
+    # The image and video layout fingerprints its refs name (read when asked: ``layouts``).
+    layouts: frozenset[str] | None = None
+    video_layouts: frozenset[str] | None = None
 
 
 def _file_meta(
@@ -91,19 +94,31 @@ def _file_meta(
 
 
 def read_file_facts(
-    store: Storage, path: str, max_len: int | None, columns: Sequence[str] = ()
+    store: Storage,
+    path: str,
+    max_len: int | None,
+    columns: Sequence[str] = (),
+    *,
+    layouts: bool = False,
 ) -> FileFacts:
     """The planning facts of file ``path``: its footer and a few small columns (plus
-    ``columns``; one the file lacks, a later-added optional column, reads as nulls)."""
+    ``columns``; one the file lacks, a later-added optional column, reads as nulls; with
+    ``layouts``, the layout fingerprints of its image and video refs, in the same read)."""
     parquet = open_rollout_file(store, path)
     meta = parquet.metadata
     row_starts = np.zeros(meta.num_row_groups + 1, dtype=np.int64)
     np.cumsum([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], out=row_starts[1:])
     leaves = [image_leaf(parquet, "offset", file=path), image_leaf(parquet, "length", file=path)]
+    video_leaf = None
+    if layouts:
+        video_leaf = media_leaf(parquet, "videos", "layout_fingerprint", file=path)
+        leaves += [image_leaf(parquet, "layout_fingerprint", file=path)]
+        leaves += [video_leaf] if video_leaf is not None else []
     lengths = decode_num_tokens(meta.metadata, meta.num_rows)
     wanted = ["group_id", *leaves, *columns] + (["tokens"] if lengths is None else [])
     try:
-        table = parquet.read(columns=list(dict.fromkeys(wanted)))
+        # A few small columns: Arrow's thread pool costs more to wake than it saves here.
+        table = parquet.read(columns=list(dict.fromkeys(wanted)), use_threads=False)
     except (OSError, pa.ArrowException) as exc:
         raise CorruptFileError(f"unreadable rollout file: {exc}", file=path) from None
     if lengths is None:
@@ -120,9 +135,19 @@ def read_file_facts(
             extra[name] = pa.chunked_array(
                 [pa.nulls(meta.num_rows, ROLLOUT_SCHEMA.field(name).type)]
             )
-    return FileFacts(
+    facts = FileFacts(
         meta, row_starts, lengths, images, _block_starts(table.column("group_id")), extra
     )
+    if not layouts:
+        return facts
+    videos = _fingerprints(table, "videos") if video_leaf is not None else frozenset()
+    return replace(facts, layouts=_fingerprints(table, "images"), video_layouts=videos)
+
+
+def _fingerprints(table: pa.Table, column: str) -> frozenset[str]:
+    """The distinct ``<column>[].layout_fingerprint`` values of ``table``."""
+    refs = pc.list_flatten(table.column(column))
+    return frozenset(pc.unique(pc.struct_field(refs, "layout_fingerprint")).to_pylist())
 
 
 def _truncated(
