@@ -82,8 +82,9 @@ def keep_freed_memory() -> bool:
     A worker builds every batch from the same large temporaries (a 1080p image's decoded
     pixels, the processor's float arrays, 12-24 MB each). glibc serves each from fresh pages
     of its own mapping and unmaps them when freed, so every batch faults all of them in
-    again, which costs more than the arithmetic in them: measured here, a 1080p screenshot's
-    processing in a worker fell from 71 to 59 ms (PIL backend) and 23 to 21 ms (torchvision).
+    again, at a cost on the order of the arithmetic in them: measured here, decoding and
+    processing distinct 1080p screenshots fell from 54 to 40 ms each (torchvision backend)
+    and from 110 to 98 ms (PIL).
     Blocks up to 32 MiB now come from the heap, and the heap is only given back above 1 GiB
     free: a worker holds about its largest batch's temporaries between batches.
     """
