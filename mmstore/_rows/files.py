@@ -382,7 +382,12 @@ def distinct_leaf(store: Storage, path: str, field: str) -> pa.Array:
     parquet = open_rollout_file(store, path)
     with reading(path):
         column = parquet.read(columns=[image_leaf(parquet, field, file=path)]).column("images")
-        return pc.unique(pc.struct_field(pc.list_flatten(column), field))
+        return distinct_field(column, field)
+
+
+def distinct_field(column: pa.ChunkedArray, field: str) -> pa.Array:
+    """Distinct values of ``<field>`` over every ref of a media column (lists of structs)."""
+    return pc.unique(pc.struct_field(pc.list_flatten(column), field))
 
 
 def distinct_media_leaf(store: Storage, path: str, field: str) -> pa.Array:

@@ -10,7 +10,7 @@ the ``tokens`` list lengths), the ``group_id`` column and the ``images[].offset`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from mmstore._exceptions import CorruptFileError, InvalidRolloutError
 from mmstore._format.schema import ROLLOUT_SCHEMA, decode_num_tokens
-from mmstore._rows.files import image_leaf, media_leaf, open_rollout_file
+from mmstore._rows.files import distinct_field, image_leaf, media_leaf, open_rollout_file
 from mmstore._rows.invariants import truncation_point
 from mmstore._rows.snapshot import Snapshot
 from mmstore._storage.store import Storage
@@ -135,19 +135,25 @@ def read_file_facts(
             extra[name] = pa.chunked_array(
                 [pa.nulls(meta.num_rows, ROLLOUT_SCHEMA.field(name).type)]
             )
-    facts = FileFacts(
-        meta, row_starts, lengths, images, _block_starts(table.column("group_id")), extra
+    image_layouts = video_layouts = None
+    if layouts:
+        image_layouts = _layouts(table, "images")
+        video_layouts = _layouts(table, "videos") if video_leaf is not None else frozenset()
+    return FileFacts(
+        meta,
+        row_starts,
+        lengths,
+        images,
+        _block_starts(table.column("group_id")),
+        extra,
+        layouts=image_layouts,
+        video_layouts=video_layouts,
     )
-    if not layouts:
-        return facts
-    videos = _fingerprints(table, "videos") if video_leaf is not None else frozenset()
-    return replace(facts, layouts=_fingerprints(table, "images"), video_layouts=videos)
 
 
-def _fingerprints(table: pa.Table, column: str) -> frozenset[str]:
-    """The distinct ``<column>[].layout_fingerprint`` values of ``table``."""
-    refs = pc.list_flatten(table.column(column))
-    return frozenset(pc.unique(pc.struct_field(refs, "layout_fingerprint")).to_pylist())
+def _layouts(table: pa.Table, column: str) -> frozenset[str]:
+    """The layout fingerprints ``table``'s ``column`` refs name."""
+    return frozenset(distinct_field(table.column(column), "layout_fingerprint").to_pylist())
 
 
 def _truncated(

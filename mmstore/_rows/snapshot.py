@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mmstore._exceptions import CorruptFileError, InvalidArgumentError
@@ -22,6 +21,7 @@ from mmstore._rows.files import (
     check_run_id,
     check_value_counts,
     conform,
+    distinct_field,
     distinct_leaf,
     media_leaf,
     open_rollout_file,
@@ -205,8 +205,7 @@ def video_fingerprints_by_file(store: Storage, snapshot: Snapshot) -> dict[str, 
             continue
         with reading(path):
             column = parquet.read(columns=[leaf]).column("videos")
-        values = pc.unique(pc.struct_field(pc.list_flatten(column), "layout_fingerprint"))
-        for fp in values.to_pylist():
+        for fp in distinct_field(column, "layout_fingerprint").to_pylist():
             found.setdefault(fp, set()).add(path)
     return found
 
