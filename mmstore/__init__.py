@@ -2,8 +2,20 @@
 
 from typing import TYPE_CHECKING, Any
 
-from mmstore import debug, synth, wire
-from mmstore._exceptions import (
+from mmstore import debug, errors, synth, wire
+from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
+from mmstore._families.qwen_vl import QwenVL
+from mmstore._format.models import ImageRef, MediaRef, Rollout, VideoRef
+from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
+from mmstore._lifecycle.export import export
+from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
+from mmstore._lifecycle.pins import list_pins, pin, pin_rows, unpin
+from mmstore._lifecycle.upgrade import UpgradeReport, upgrade
+from mmstore._lifecycle.verify import Problem, VerifyReport, verify
+from mmstore._rows.invariants import check_rollout, truncate
+from mmstore._rows.store import Store
+from mmstore._rows.writer import RolloutWriter
+from mmstore.errors import (
     CorruptFileError,
     DecompressionBombError,
     DeleteFailedError,
@@ -32,6 +44,7 @@ from mmstore._exceptions import (
     TableForkError,
     TableNotFoundError,
     TableVersionError,
+    UnknownLayoutError,
     UnsupportedProcessorError,
     UntrustedURIError,
     UpgradeRequiredError,
@@ -40,18 +53,6 @@ from mmstore._exceptions import (
     VideoDecodeError,
     WireFormatError,
 )
-from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
-from mmstore._families.qwen_vl import QwenVL
-from mmstore._format.models import ImageRef, MediaRef, Rollout, VideoRef
-from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
-from mmstore._lifecycle.export import export
-from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
-from mmstore._lifecycle.pins import list_pins, pin, pin_rows, unpin
-from mmstore._lifecycle.upgrade import UpgradeReport, upgrade
-from mmstore._lifecycle.verify import Problem, VerifyReport, verify
-from mmstore._rows.invariants import check_rollout, truncate
-from mmstore._rows.store import Store
-from mmstore._rows.writer import RolloutWriter
 
 # The first release's name for the Qwen-VL adapter.
 QwenVLAdapter = QwenVL
@@ -132,6 +133,7 @@ __all__ = [
     "TableForkError",
     "TableNotFoundError",
     "TableVersionError",
+    "UnknownLayoutError",
     "UnsupportedProcessorError",
     "UntrustedURIError",
     "UpgradeRequiredError",
@@ -144,6 +146,7 @@ __all__ = [
     "register_family",
     "check_rollout",
     "debug",
+    "errors",
     "synth",
     "expand_images",
     "export",

@@ -26,12 +26,6 @@ import pyarrow.fs as pafs
 
 from mmstore import __version__, debug
 from mmstore import _demo as demo
-from mmstore._exceptions import (
-    MmstoreError,
-    NotAStoreError,
-    RunNotFoundError,
-    StepNotCommittedError,
-)
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import DiskUsage, GcReport, disk_usage, gc, release_run
 from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
@@ -41,6 +35,12 @@ from mmstore._rows.files import holdings
 from mmstore._rows.store import Store
 from mmstore._storage.backends import s3_filesystem
 from mmstore._storage.store import CREATE_REMEDY
+from mmstore.errors import (
+    MmstoreError,
+    NotAStoreError,
+    RunNotFoundError,
+    StepNotCommittedError,
+)
 
 PROG = "mmstore"
 # Output fits the terminal (COLUMNS, else the terminal's width, else this many columns).

@@ -25,14 +25,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from mmstore._exceptions import (
-    CorruptFileError,
-    InvalidArgumentError,
-    MediaNotFoundError,
-    MmstoreError,
-    NoMatchError,
-    UnsupportedProcessorError,
-)
 from mmstore._families import (
     Layout,
     family_for_layout,
@@ -48,6 +40,14 @@ from mmstore._rows.files import check_run_id, open_rollout_file, partition_of, r
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._storage.backends import S3Backend
+from mmstore.errors import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MediaNotFoundError,
+    MmstoreError,
+    NoMatchError,
+    UnsupportedProcessorError,
+)
 
 __all__ = [
     "images",

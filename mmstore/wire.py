@@ -14,8 +14,8 @@ from typing import Any, overload
 
 from pydantic import ValidationError
 
-from mmstore._exceptions import WireFormatError
 from mmstore._format.models import MAX_REF_FRAMES, ImageRef, VideoRef
+from mmstore.errors import WireFormatError
 
 PREFIX = "mmraw:"
 VIDEO_PREFIX = "mmvid:"

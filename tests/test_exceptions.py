@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import mmstore
-from mmstore import _exceptions
+from mmstore import errors as _exceptions
 
 # (error, the built-in a caller would catch): DESIGN.md's names first, then the rest.
 TREE = [
@@ -48,6 +48,7 @@ TREE = [
     (mmstore.VersionMismatchError, RuntimeError),
     (mmstore.PinnedRowsError, RuntimeError),
     (mmstore.LiveTimeoutError, TimeoutError),
+    (mmstore.UnknownLayoutError, mmstore.InvalidRolloutError),
 ]
 
 ALL_ERRORS = [

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import mmstore
-from mmstore._planning.live import UNKNOWN, GroupTooLarge, take_step
+from mmstore._planning.live import UNKNOWN, take_step
 from mmstore._rows.table import TABLE_SCHEMA
+from mmstore.errors import GroupTooLarge
 from tests import live_workers
 from tests.live_workers import BATCH_SIZE, RUN, commit_plan, commit_rows, live_loader, train
 

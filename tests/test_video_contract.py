@@ -33,9 +33,9 @@ from transformers.video_utils import VideoMetadata
 import mmstore
 import mmstore._format.video as video_module
 import mmstore._storage.store as storage_module
-from mmstore._exceptions import InvalidRolloutError
 from mmstore._format.models import VideoRef
 from mmstore._rows import writer as writer_module
+from mmstore.errors import InvalidRolloutError
 from tests.families_common import model_inputs, noise, train_loss
 from tests.family_cases import CASES, token_ids
 from tests.video_cases import VIDEO_CASES, ClipCase, VideoCase

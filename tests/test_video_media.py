@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mmstore._format.video as video
-from mmstore._exceptions import DecompressionBombError, ImageDecodeError, InvalidArgumentError
 from mmstore._format.video import VideoInfo, decode_frames, frame_pts, probe_video
+from mmstore.errors import DecompressionBombError, ImageDecodeError, InvalidArgumentError
 
 from .video_clips import available, decode_all, frame_pixels, keyframes, make_audio, make_clip
 

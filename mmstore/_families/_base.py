@@ -29,12 +29,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from mmstore._exceptions import (
-    InvalidArgumentError,
-    InvalidRolloutError,
-    LayoutMismatchError,
-    UnsupportedProcessorError,
-)
 from mmstore._families._layout import (
     Collation,
     Layout,
@@ -45,6 +39,12 @@ from mmstore._families._layout import (
 )
 from mmstore._families._video import VideoFamily
 from mmstore._format.models import ImageRef, MediaRef, VideoRef
+from mmstore.errors import (
+    InvalidArgumentError,
+    InvalidRolloutError,
+    LayoutMismatchError,
+    UnsupportedProcessorError,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import ImageSizeError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, size_value
 from mmstore._families._video import Clip, VideoFamily
 from mmstore._format.models import VideoRef
+from mmstore.errors import ImageSizeError, UnsupportedProcessorError
 
 
 class GridFamily(Family):

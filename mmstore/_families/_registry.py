@@ -14,10 +14,10 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
-from mmstore._exceptions import InvalidArgumentError, UnsupportedProcessorError
 from mmstore._families._base import Family
 from mmstore._families._layout import Layout, published_token_ids
 from mmstore._families._video import VideoFamily, is_video_layout
+from mmstore.errors import InvalidArgumentError, UnsupportedProcessorError
 
 _TF = "transformers.models."
 

@@ -29,12 +29,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import (
-    ImageSizeError,
-    InvalidArgumentError,
-    LayoutMismatchError,
-    UnsupportedProcessorError,
-)
 from mmstore._families._layout import (
     Collation,
     Layout,
@@ -44,6 +38,12 @@ from mmstore._families._layout import (
     tokenizer_ids,
 )
 from mmstore._format.models import MAX_REF_FRAMES, MediaRef, VideoRef
+from mmstore.errors import (
+    ImageSizeError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    UnsupportedProcessorError,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -37,9 +37,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, Token, size_value
 from mmstore._format.models import ImageRef
+from mmstore.errors import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 
 # Soft tokens per image of the published models: `mm_tokens_per_image` in their config.json
 # and `Gemma3Processor(image_seq_length=256)`'s default.

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import InvalidRolloutError
 from mmstore._families._base import Token
 from mmstore._families._grid import PatchVideo, SmartResizeFamily, weightless_rope_index
 from mmstore._families._video import Clip, Segment
 from mmstore._format.models import MediaRef, VideoRef
+from mmstore.errors import InvalidRolloutError
 
 if TYPE_CHECKING:
     import torch

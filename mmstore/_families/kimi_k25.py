@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import UnsupportedProcessorError
 from mmstore._families._base import Collation, Token, size_value
 from mmstore._families._grid import GridFamily
 from mmstore._families._video import Clip, Segment, VideoFamily
 from mmstore._format.models import VideoRef
+from mmstore.errors import UnsupportedProcessorError
 
 
 class KimiK25(GridFamily):

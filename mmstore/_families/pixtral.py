@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mmstore._exceptions import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 from mmstore._families._base import Collation, Family, Layout, Token, size_value
 from mmstore._format.models import ImageRef
+from mmstore.errors import ImageSizeError, LayoutMismatchError, UnsupportedProcessorError
 
 PIXTRAL_PROCESSOR = "transformers.models.pixtral.processing_pixtral.PixtralProcessor"
 

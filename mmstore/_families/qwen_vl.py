@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mmstore._exceptions import InvalidArgumentError
 from mmstore._families._base import Token
 from mmstore._families._grid import PatchVideo, SmartResizeFamily, weightless_rope_index
 from mmstore._families._video import Clip, Segment, VideoFamily, sampled_fps
 from mmstore._format.models import VideoRef
+from mmstore.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch

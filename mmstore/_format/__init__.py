@@ -3,5 +3,5 @@
 Owns the row schema and its footer keys (:mod:`.schema`), the pydantic records of one image
 ref, one media file and one rollout (:mod:`.models`), and media encoding: content hashes,
 media paths, decoding with its bomb checks (:mod:`.media`). Imports nothing of mmstore but
-``mmstore._exceptions``; every other stage builds on it.
+``mmstore.errors``; every other stage builds on it.
 """

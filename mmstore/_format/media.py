@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 from PIL import Image, UnidentifiedImageError
 
-from mmstore._exceptions import DecompressionBombError, ImageDecodeError, InvalidArgumentError
+from mmstore.errors import DecompressionBombError, ImageDecodeError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch

@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from mmstore._exceptions import InvalidRolloutError
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
+from mmstore.errors import InvalidRolloutError
 
 HASH_PATTERN = r"^[0-9a-f]{32}$"
 # A video ref names at most this many frames: a model's context holds a few thousand, and a

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmstore._exceptions import SchemaVersionError
+from mmstore.errors import SchemaVersionError
 
 SCHEMA_VERSION = 1
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mmstore._exceptions import InvalidArgumentError, VideoBombError, VideoDecodeError
 from mmstore._format.media import DEFAULT_MAX_PIXELS
+from mmstore.errors import InvalidArgumentError, VideoBombError, VideoDecodeError
 
 if TYPE_CHECKING:
     import av

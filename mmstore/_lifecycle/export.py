@@ -29,14 +29,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import (
-    CorruptFileError,
-    DestinationExistsError,
-    HashMismatchError,
-    MmstoreError,
-    NoMatchError,
-    NotAStoreError,
-)
 from mmstore._format.media import FORMAT_EXTENSIONS, content_hash, media_path, probe
 from mmstore._format.models import MAX_CLIP_FRAMES
 from mmstore._format.video import probe_video
@@ -58,6 +50,14 @@ from mmstore._rows.table import TableFile
 from mmstore._rows.versions import commit_files
 from mmstore._rows.writer import parquet_options
 from mmstore._storage.backends import Backend
+from mmstore.errors import (
+    CorruptFileError,
+    DestinationExistsError,
+    HashMismatchError,
+    MmstoreError,
+    NoMatchError,
+    NotAStoreError,
+)
 
 COPY_THREADS = 8
 MediaKey = tuple[str, str]  # (uri, hash) as the source rows spell it

@@ -60,11 +60,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mmstore._exceptions import (
-    DeleteFailedError,
-    InvalidArgumentError,
-    PinnedRowsError,
-)
 from mmstore._format.media import media_path
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._rows.files import media_hash, referenced_hashes, select_from
@@ -74,6 +69,11 @@ from mmstore._rows.versions import table_of, version_at, version_files
 from mmstore._rows.writer import check_partition
 from mmstore._storage.backends import STAGING, Backend, FileStat, LocalBackend
 from mmstore._storage.store import MEDIA, ROLLOUTS
+from mmstore.errors import (
+    DeleteFailedError,
+    InvalidArgumentError,
+    PinnedRowsError,
+)
 
 # Deletes are I/O bound (one or two S3 round trips each); a few threads hide the latency.
 SWEEP_THREADS = 16

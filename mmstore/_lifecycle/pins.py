@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from mmstore._exceptions import CorruptFileError, InvalidArgumentError, NoMatchError
 from mmstore._format.models import ImageRef, MediaRef, VideoRef
 from mmstore._rows.files import HASH_RE, referenced_hashes, select_from
 from mmstore._rows.store import Store
 from mmstore._rows.versions import version_files
 from mmstore._storage.store import PINS
+from mmstore.errors import CorruptFileError, InvalidArgumentError, NoMatchError
 
 PIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PIN_FORMAT = "mmstore.pin"

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mmstore._exceptions import CorruptFileError, MmstoreError
 from mmstore._format.schema import META_LAYOUTS
 from mmstore._progress import bar
 from mmstore._rows.files import open_rollout_file, partition_of
@@ -34,6 +33,7 @@ from mmstore._rows.versions import commit_files, version_files
 from mmstore._rows.writer import RUN_ID_PATTERN
 from mmstore._storage.backends import FileStat
 from mmstore._storage.manifest import FORMAT_V1, FORMAT_VERSION, MANIFEST
+from mmstore.errors import CorruptFileError, MmstoreError
 
 # Files per commit: a commit's log entry stays small (an add action is ~300 bytes), and a
 # store of 100,000 files takes 100 commits, a few checkpoints among them.

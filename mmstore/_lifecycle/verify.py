@@ -30,11 +30,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import (
-    MmstoreError,
-    SchemaVersionError,
-    UntrustedURIError,
-)
 from mmstore._format.media import content_hash
 from mmstore._format.schema import ROW_COLUMNS, check_schema_version
 from mmstore._lifecycle.gc import needed_files
@@ -42,7 +37,6 @@ from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._progress import bar
 from mmstore._rows.check import (
     RowWindow,
-    UnknownLayoutError,
     footer_checker,
     footer_video_checker,
 )
@@ -64,6 +58,12 @@ from mmstore._rows.table import TableFile
 from mmstore._rows.versions import version_files
 from mmstore._storage.backends import Backend, FileStat, LocalBackend, network_error
 from mmstore._storage.store import MEDIA, PINS
+from mmstore.errors import (
+    MmstoreError,
+    SchemaVersionError,
+    UnknownLayoutError,
+    UntrustedURIError,
+)
 
 PROBLEM_KINDS = (
     "missing_file",

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from mmstore._exceptions import InvalidArgumentError
 from mmstore._families import Family, expansion_array, video_half
 from mmstore._loading.device import collate_images
 from mmstore._loading.distinct import VIDEO_INDEX_KEY, VIDEO_ROWS_KEY, distinct, rows
 from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
+from mmstore.errors import InvalidArgumentError
 
 
 def model_input_names(family: Family) -> tuple[str, ...]:

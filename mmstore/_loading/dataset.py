@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mmstore._exceptions import InvalidArgumentError, LayoutMismatchError
 from mmstore._families import Family, adapter_for, takes_tensors, video_half
 from mmstore._format.media import warm_decoder
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
@@ -56,6 +55,7 @@ from mmstore._rows.snapshot import (
     video_fingerprints_by_file,
 )
 from mmstore._rows.store import Store
+from mmstore.errors import InvalidArgumentError, LayoutMismatchError
 
 # 2: the state names the table version it read ("table_version"); 1 (format-1 stores):
 # files only, checked against the latest version.

@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from mmstore._exceptions import (
-    InvalidArgumentError,
-    LayoutMismatchError,
-    MmstoreError,
-)
 from mmstore._families import Family, run_processor, takes_tensors
 from mmstore._format.media import decode_rgb_tensor
 from mmstore._format.models import ImageRef
 from mmstore._loading.distinct import INDEX_KEY, ROWS_KEY, distinct, rows
 from mmstore._loading.materialize import Materialized, Materializer, check_decoded_size
 from mmstore._loading.stack import batch_images
+from mmstore.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    MmstoreError,
+)
 
 #: the batch key under which a worker's batch carries its images to the device stage
 PENDING_KEY = "_pending_images"

@@ -30,12 +30,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from mmstore._exceptions import (
-    InvalidArgumentError,
-    LiveTimeoutError,
-    MmstoreError,
-    SampleTooLongError,
-)
 from mmstore._families import Family, adapter_for
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
@@ -65,12 +59,19 @@ from mmstore._loading.workers import (
     reraise,
     start_method,
 )
-from mmstore._planning.live import UNKNOWN, GroupTooLarge, StepTake, rank_shares, take_step
+from mmstore._planning.live import UNKNOWN, StepTake, rank_shares, take_step
 from mmstore._planning.pack import budget_for, plan_epoch
 from mmstore._rows.check import Sample
 from mmstore._rows.follow import Cursor, FollowedFile, LogFollower
 from mmstore._rows.snapshot import WorkUnit
 from mmstore._rows.store import Store
+from mmstore.errors import (
+    GroupTooLarge,
+    InvalidArgumentError,
+    LiveTimeoutError,
+    MmstoreError,
+    SampleTooLongError,
+)
 
 STATE_KIND = "mmstore.LiveLoader"
 STATE_VERSION = 1

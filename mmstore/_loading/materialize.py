@@ -19,12 +19,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from mmstore._exceptions import (
-    InvalidArgumentError,
-    LayoutMismatchError,
-    MediaNotFoundError,
-    MmstoreError,
-)
 from mmstore._families import Family, takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
 from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
@@ -35,6 +29,12 @@ from mmstore._rows.check import RowWindow, Sample, family_checker, video_checker
 from mmstore._rows.snapshot import Neighbours
 from mmstore._rows.store import Store
 from mmstore._tensors import cast_floats
+from mmstore.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    MediaNotFoundError,
+    MmstoreError,
+)
 
 MissingPolicy = Literal["error", "placeholder_zero_loss"]
 T = TypeVar("T")

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from mmstore._exceptions import MmstoreError
 from mmstore._families import Family, video_half
 from mmstore._loading.collate import (
     check_media_mix,
@@ -26,6 +25,7 @@ from mmstore._loading.collate import (
 )
 from mmstore._loading.device import collate_images
 from mmstore._loading.materialize import Materialized
+from mmstore.errors import MmstoreError
 
 FILLER_ID = "<filler>"
 

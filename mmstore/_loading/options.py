@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from mmstore._exceptions import InvalidArgumentError
+from mmstore.errors import InvalidArgumentError
 
 
 def whole(name: str, value: Any, *, minimum: int | None = None) -> int:

@@ -20,7 +20,6 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mmstore._exceptions import CorruptFileError, InvalidArgumentError, SampleTooLongError
 from mmstore._loading.materialize import Materialized
 from mmstore._loading.microbatch import pack
 from mmstore._loading.spec import MaterializerSource, ReadSpec
@@ -30,6 +29,7 @@ from mmstore._rows.files import open_rollout_file
 from mmstore._rows.lengths import RowMeta, read_row_meta
 from mmstore._rows.snapshot import WorkUnit, read_units
 from mmstore._rows.store import Store
+from mmstore.errors import CorruptFileError, InvalidArgumentError, SampleTooLongError
 
 # Row groups a worker keeps decoded: a step's rows come from a couple of shuffle windows.
 UNIT_CACHE = 16

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from mmstore._exceptions import InvalidArgumentError
 from mmstore._format.media import decode_rgb
 from mmstore._rows.store import Store
 from mmstore._storage.backends import LocalBackend
+from mmstore.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mmstore._exceptions import VersionMismatchError
 from mmstore._rows.store import Store
 from mmstore._rows.versions import latest_version
+from mmstore.errors import VersionMismatchError
 
 
 def agreed_version(store: Store, version: int | None, *, world_size: int, what: str) -> int:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from mmstore._exceptions import InvalidArgumentError, MmstoreError
 from mmstore._loading.buffers import BatchBuffers
+from mmstore.errors import InvalidArgumentError, MmstoreError
 
 RAISED = "_raised"  # a worker's batch stream ended in this error
 # Tensors below this travel inside the pickle rather than each in shared memory of its own.

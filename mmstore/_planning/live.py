@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmstore.errors import GroupTooLarge
+
 UNKNOWN = -1  # a policy version nothing recorded
 
 
@@ -34,15 +36,6 @@ class StepTake:
     consumed: int
     trained: tuple[int, ...]
     stale: tuple[int, ...]
-
-
-class GroupTooLarge(ValueError):
-    """A group holds more samples than a whole step (the caller names it)."""
-
-    def __init__(self, index: int, size: int) -> None:
-        super().__init__(f"group {index} of {size} samples exceeds the step")
-        self.index = index
-        self.size = size
 
 
 def take_step(

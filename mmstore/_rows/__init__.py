@@ -7,5 +7,5 @@ access to committed files (:mod:`.files`: select, open with page checksums, part
 the snapshot of a version (:mod:`.snapshot`), the reader's row checks (:mod:`.check`),
 per-row lengths from footers (:mod:`.lengths`), reading rows back as ``Rollout`` s
 (:mod:`.readback`), and :class:`.store.Store`, the public store: storage plus its rows.
-May import ``_storage``, ``_families``, ``_format`` and ``_exceptions``.
+May import ``_storage``, ``_families``, ``_format`` and ``errors``.
 """

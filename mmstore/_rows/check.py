@@ -35,7 +35,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import InvalidRolloutError, LayoutMismatchError, MmstoreError
 from mmstore._families import (
     Family,
     VideoFamily,
@@ -55,6 +54,12 @@ from mmstore._format.schema import (
 )
 from mmstore._rows.files import conform, decode_every_page, where_of_file
 from mmstore._rows.invariants import check_spans, check_video_spans, truncation_point
+from mmstore.errors import (
+    InvalidRolloutError,
+    LayoutMismatchError,
+    MmstoreError,
+    UnknownLayoutError,
+)
 
 # No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
 # KB of Parquet can claim far more, so the reader refuses it before building anything.
@@ -522,11 +527,6 @@ def read_checked(
     for i in range(window.num_rows):
         window.check(i)
     return table
-
-
-class UnknownLayoutError(InvalidRolloutError):
-    """A fingerprint that neither the file's footer nor this process can lay out: its spans
-    cannot be checked without the processor."""
 
 
 def footer_checker(footer: dict[bytes, bytes] | None) -> tuple[FamilyOf, list[int]]:

@@ -26,7 +26,14 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import (
+from mmstore._format.schema import OPTIONAL_COLUMNS, PARTITION_FIELDS, ROLLOUT_SCHEMA
+from mmstore._progress import bar
+from mmstore._rows.table import TableFile, TableSnapshot
+from mmstore._rows.versions import version_files
+from mmstore._rows.writer import RUN_ID_PATTERN
+from mmstore._storage.backends import network_error
+from mmstore._storage.store import Storage
+from mmstore.errors import (
     CorruptFileError,
     InvalidArgumentError,
     MmstoreError,
@@ -35,13 +42,6 @@ from mmstore._exceptions import (
     SchemaVersionError,
     StepNotCommittedError,
 )
-from mmstore._format.schema import OPTIONAL_COLUMNS, PARTITION_FIELDS, ROLLOUT_SCHEMA
-from mmstore._progress import bar
-from mmstore._rows.table import TableFile, TableSnapshot
-from mmstore._rows.versions import version_files
-from mmstore._rows.writer import RUN_ID_PATTERN
-from mmstore._storage.backends import network_error
-from mmstore._storage.store import Storage
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmstore._exceptions import InvalidArgumentError
 from mmstore._rows.files import check_run_id
 from mmstore._rows.lengths import FileFacts, read_file_facts
 from mmstore._rows.snapshot import WorkUnit, file_units
@@ -28,6 +27,7 @@ from mmstore._rows.table import LogEntry, TableFile
 from mmstore._rows.versions import table_of
 from mmstore._rows.writer import check_partition
 from mmstore._storage.store import Storage
+from mmstore.errors import InvalidArgumentError
 
 # Per-row columns a follower reads beside the planning facts.
 FOLLOWED_COLUMNS = ("sample_id", "group_id", "policy_version")

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from mmstore._exceptions import ImageSizeError, InvalidArgumentError, InvalidRolloutError
 from mmstore._families import (
     Family,
     Layout,
@@ -22,6 +21,7 @@ from mmstore._families import (
     video_family_for_layout,
 )
 from mmstore._format.models import Rollout, VideoRef, list_array
+from mmstore.errors import ImageSizeError, InvalidArgumentError, InvalidRolloutError
 
 LayoutLookup = Callable[[str], "Layout | None"]
 

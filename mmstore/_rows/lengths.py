@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmstore._exceptions import CorruptFileError, InvalidRolloutError
 from mmstore._format.schema import ROLLOUT_SCHEMA, decode_num_tokens
 from mmstore._rows.files import distinct_field, image_leaf, media_leaf, open_rollout_file
 from mmstore._rows.invariants import truncation_point
 from mmstore._rows.snapshot import Snapshot
 from mmstore._storage.store import Storage
+from mmstore.errors import CorruptFileError, InvalidRolloutError
 
 if TYPE_CHECKING:
     import pyarrow.parquet as pq

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from mmstore._exceptions import NoMatchError
 from mmstore._format.models import Rollout, released
 from mmstore._rows.check import read_checked
 from mmstore._rows.files import check_run_id, open_rollout_file, select_files
 from mmstore._storage.store import Storage
+from mmstore.errors import NoMatchError
 
 
 def read_rollouts(

@@ -15,7 +15,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import CorruptFileError, InvalidArgumentError
 from mmstore._format.schema import FILE_COLUMN, META_LAYOUTS, ROW_COLUMNS, check_schema_version
 from mmstore._rows.files import (
     check_run_id,
@@ -32,6 +31,7 @@ from mmstore._rows.files import (
 from mmstore._rows.table import TableSnapshot
 from mmstore._rows.versions import version_files
 from mmstore._storage.store import Storage
+from mmstore.errors import CorruptFileError, InvalidArgumentError
 
 
 @dataclass(frozen=True)

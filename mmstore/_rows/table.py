@@ -70,7 +70,10 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import (
+from mmstore._format.schema import ROLLOUT_SCHEMA
+from mmstore._storage.backends import LocalBackend, S3Backend
+from mmstore._storage.store import ROLLOUTS, Storage
+from mmstore.errors import (
     InvalidArgumentError,
     SchemaVersionError,
     TableConflictError,
@@ -79,9 +82,6 @@ from mmstore._exceptions import (
     TableNotFoundError,
     TableVersionError,
 )
-from mmstore._format.schema import ROLLOUT_SCHEMA
-from mmstore._storage.backends import LocalBackend, S3Backend
-from mmstore._storage.store import ROLLOUTS, Storage
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable

@@ -13,9 +13,9 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from mmstore._exceptions import TableNotFoundError
 from mmstore._rows.table import CommitResult, RolloutTable, TableFile, TableSnapshot
 from mmstore._storage.store import Storage
+from mmstore.errors import TableNotFoundError
 
 # One table per open store object: it keeps the latest version's DeltaTable up to date
 # incrementally (a fresh one replays the log from its checkpoint). Keyed by the object, so

@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmstore._exceptions import InvalidArgumentError, InvalidRolloutError
 from mmstore._families import (
     Family,
     Layout,
@@ -50,6 +49,7 @@ from mmstore._rows.runs import record_layouts, run_layouts
 from mmstore._rows.table import CommitResult, TableFile
 from mmstore._rows.versions import commit_files
 from mmstore._storage.store import Storage
+from mmstore.errors import InvalidArgumentError, InvalidRolloutError
 
 log = logging.getLogger("mmstore")
 

@@ -3,5 +3,5 @@
 Owns the backends (:mod:`.backends`: local files, S3 through pyarrow, atomic publish), the
 manifest (:mod:`.manifest`) and :class:`.store.Storage`: open or create a store, put and read
 content-addressed media, resolve URIs under trusted roots. Knows nothing of rows. May import
-``_format`` and ``_exceptions``.
+``_format`` and ``errors``.
 """

@@ -34,7 +34,13 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from mmstore._exceptions import HashMismatchError, MmstoreError, NetworkError, NotAStoreError
+from mmstore.errors import (
+    HashMismatchError,
+    MmstoreError,
+    NetworkError,
+    NotAFileError,
+    NotAStoreError,
+)
 
 STAGING = "_staging"
 # Threads that fsync a commit's media files together (see LocalBackend.sync).
@@ -249,11 +255,6 @@ class LocalBackend:
         """True if ``path`` (after symlinks) lies inside the store root."""
         real = os.path.realpath(path)
         return real == self.base or real.startswith(self.base + os.sep)
-
-
-class NotAFileError(FileNotFoundError):
-    """Something other than a regular file (FIFO, device, directory) where a file should be;
-    it reads as absent."""
 
 
 def _open_regular(path: str) -> io.BufferedReader:

@@ -13,9 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mmstore._exceptions import NotAStoreError, SchemaVersionError, UpgradeRequiredError
 from mmstore._format.media import HASH_ALGORITHM
-from mmstore._storage.backends import Backend, NotAFileError
+from mmstore._storage.backends import Backend
+from mmstore.errors import (
+    NotAFileError,
+    NotAStoreError,
+    SchemaVersionError,
+    UpgradeRequiredError,
+)
 
 # 2: rollouts/ is a Delta Lake table (a commit log of the Parquet files); 1: a directory of
 # renamed Parquet files, read by listing it (``mmstore upgrade`` turns a 1 into a 2 in place).

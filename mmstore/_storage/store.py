@@ -18,18 +18,6 @@ import pyarrow.fs as pafs
 from PIL import Image
 from typing_extensions import Self
 
-from mmstore._exceptions import (
-    HashMismatchError,
-    ImageDecodeError,
-    InvalidArgumentError,
-    InvalidRolloutError,
-    MediaNotFoundError,
-    MediaPermissionError,
-    MmstoreError,
-    NetworkError,
-    NotAStoreError,
-    UntrustedURIError,
-)
 from mmstore._format.media import (
     DEFAULT_MAX_PIXELS,
     EXTENSIONS,
@@ -49,7 +37,6 @@ from mmstore._storage.backends import (
     Backend,
     FileStat,
     LocalBackend,
-    NotAFileError,
     S3Backend,
     network_error,
 )
@@ -59,6 +46,19 @@ from mmstore._storage.manifest import (
     check_manifest,
     create_manifest,
     read_manifest,
+)
+from mmstore.errors import (
+    HashMismatchError,
+    ImageDecodeError,
+    InvalidArgumentError,
+    InvalidRolloutError,
+    MediaNotFoundError,
+    MediaPermissionError,
+    MmstoreError,
+    NetworkError,
+    NotAFileError,
+    NotAStoreError,
+    UntrustedURIError,
 )
 
 ROLLOUTS = "rollouts"

@@ -33,22 +33,23 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from mmstore._exceptions import (
+from mmstore._families import OfLayout, VideoFamily, adapter_for, video_half
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
+from mmstore._format.video import clip_mismatch, decode_frames, probe_video
+from mmstore._rows.store import Store
+from mmstore.errors import (
     DecompressionBombError,
     HashMismatchError,
     ImageDecodeError,
     ImageSizeError,
     LayoutMismatchError,
     MediaNotFoundError,
+    RefRefused,
     UntrustedURIError,
     VideoBombError,
     VideoDecodeError,
     WireFormatError,
 )
-from mmstore._families import OfLayout, VideoFamily, adapter_for, video_half
-from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
-from mmstore._format.video import clip_mismatch, decode_frames, probe_video
-from mmstore._rows.store import Store
 from mmstore.integrations._single_flight import SingleFlightLRU
 from mmstore.wire import decode
 
@@ -76,15 +77,6 @@ _REASONS: tuple[tuple[type[Exception], str], ...] = (
     (LayoutMismatchError, "grid_mismatch"),
     (MemoryError, "out_of_memory"),
 )
-
-
-class RefRefused(Exception):
-    """One ref failed a check; carries the reason a client sees."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

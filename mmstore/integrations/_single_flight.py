@@ -18,8 +18,8 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-from mmstore._exceptions import InvalidArgumentError
 from mmstore._loading.cache import ByteLRU
+from mmstore.errors import InvalidArgumentError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from mmstore._exceptions import InvalidArgumentError, MmstoreError
 from mmstore._families import adapter_for
 from mmstore._rows.snapshot import WorkUnit, read_units, take_snapshot
 from mmstore._rows.store import Store
+from mmstore.errors import InvalidArgumentError, MmstoreError
 
 if TYPE_CHECKING:
     import ray.data

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
-from mmstore._exceptions import InvalidRolloutError, MmstoreError
 from mmstore._families import (
     Family,
     VideoFamily,
@@ -50,10 +49,10 @@ from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
 from mmstore._rows.invariants import check_video_spans
 from mmstore._rows.store import Store
+from mmstore.errors import InvalidRolloutError, MmstoreError, RefRefused
 from mmstore.integrations._resolver import (
     DEFAULT_CACHE_BYTES,
     Materialized,
-    RefRefused,
     RefResolver,
     resolve_wire_refs,
     video_uuid,

@@ -1,10 +1,12 @@
-"""Every error mmstore raises, in one tree.
+"""Every error mmstore raises, in one tree: ``mmstore.errors`` (each public one is also a
+top-level name, ``mmstore.NoMatchError``, and prints as one).
 
 ::
 
     MmstoreError
     ├── InvalidRolloutError        (ValueError)      a row breaks an invariant; names sample + image
-    │   └── SampleTooLongError                       longer than the packed loader's max_tokens
+    │   ├── SampleTooLongError                       longer than the packed loader's max_tokens
+    │   └── UnknownLayoutError                       a fingerprint no footer or family can lay out
     ├── LayoutMismatchError        (ValueError)      processor layout != stored layout / span
     ├── SchemaVersionError         (ValueError)      unknown store format or row schema version
     │   └── UpgradeRequiredError                     a format-1 store: run `mmstore upgrade ROOT`
@@ -66,7 +68,7 @@ class MmstoreError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Tracebacks name a class by its module: show the public `mmstore.NoMatchError`, not
-        # `mmstore._exceptions.NoMatchError`. Pickle finds it there too (mmstore exports every
+        # `mmstore.errors.NoMatchError`. Pickle finds it there too (mmstore exports every
         # error; tests/test_exceptions.py checks). Only this module's classes: a user's own
         # subclass keeps its module.
         super().__init_subclass__(**kwargs)
@@ -209,6 +211,11 @@ class SampleTooLongError(InvalidRolloutError):
     """A sample longer than the packed loader's ``max_tokens`` (refused when planning)."""
 
 
+class UnknownLayoutError(InvalidRolloutError):
+    """A fingerprint that neither the file's footer nor this process can lay out: its spans
+    cannot be checked without the processor."""
+
+
 class TableError(MmstoreError):
     """The rollouts table (``rollouts/``, a Delta Lake table) refused an operation; the
     context names the table (``table``) and, where one is concerned, the ``version``."""
@@ -259,3 +266,29 @@ class LiveTimeoutError(MmstoreError, TimeoutError):
     """A :class:`LiveLoader` step was not complete within its ``timeout``: nothing was
     consumed, and calling ``next_step`` again waits on. Names the runs followed, the step,
     the samples waiting and the samples a step needs."""
+
+
+# Internal signals: raised and caught inside mmstore, never met by a user as such.
+
+
+class NotAFileError(FileNotFoundError):
+    """Something other than a regular file (FIFO, device, directory) where a file should be;
+    it reads as absent."""
+
+
+class GroupTooLarge(ValueError):
+    """A group holds more samples than a whole step (the caller names it)."""
+
+    def __init__(self, index: int, size: int) -> None:
+        super().__init__(f"group {index} of {size} samples exceeds the step")
+        self.index = index
+        self.size = size
+
+
+class RefRefused(Exception):
+    """One ref failed a check; carries the reason a client sees."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
