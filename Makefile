@@ -1,10 +1,15 @@
-# One entry point for people and CI: `make test`, `make demo`, `make bench`.
+# One entry point for people and CI: `make test`, `make check`, `make demo`, `make bench`.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# Extra pytest arguments for `make test` and `make check`, e.g. PYTEST_ARGS="-n 2 --dist loadgroup"
+# (pytest-xdist, in the dev extra; tests that need a resource alone share an xdist_group).
+PYTEST_ARGS ?=
+# `make check` spreads its tests over two processes; `make check XDIST=` runs them in one.
+XDIST   ?= -n 2 --dist loadgroup
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test check lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +29,14 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The whole suite: what CI runs (.ci/run).
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The fast tier for an edit-test loop: lint and every test not marked slow (each under a
+# second here; slow marks kill loops, Ray, notebooks, subprocesses, hypothesis-heavy tests).
+check: lint
+	$(BIN)/pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/mmstore demo

@@ -54,6 +54,8 @@ from mmstore.synth import grpo_rollouts, screenshot
 
 GROUP = 4
 WORKERS = 2
+# No node cache (no step is served from an earlier one); a GRPO group's image once a batch.
+SETTINGS = mmstore.Materialize(node_cache_bytes=0, distinct_images=True)
 IMAGE = (1920, 1080)
 # Qwen2-VL's image processor with either backend (the same layout: one fingerprint).
 BACKENDS = {"pil": processor, "torchvision": Qwen2VLImageProcessor}
@@ -113,8 +115,7 @@ def live_trial(
         runs=[run],
         batch_size=GROUP,
         num_workers=WORKERS,
-        node_cache_bytes=0,
-        distinct_images=True,
+        materialize=SETTINGS,
     ) as live:
         for _ in range(steps):
             batches = live.next_step(timeout=120)
@@ -166,14 +167,12 @@ def per_step_trial(
         while True:
             try:
                 dataset = mmstore.RolloutDataset(
-                    store, BACKENDS[backend](), runs=[run], steps=[step], node_cache_bytes=0
+                    store, BACKENDS[backend](), runs=[run], steps=[step], materialize=SETTINGS
                 )
                 break
             except mmstore.NoMatchError:
                 time.sleep(0.01)
-        loader = mmstore.RolloutLoader(
-            dataset, batch_size=GROUP, num_workers=WORKERS, distinct_images=True
-        )
+        loader = mmstore.RolloutLoader(dataset, batch_size=GROUP, num_workers=WORKERS)
         batches = iter(loader)
         next(batches)
         firsts.append(time.time())

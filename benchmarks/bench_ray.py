@@ -35,7 +35,8 @@ PROCESSES = 2
 
 def _loader(store: mmstore.Store, proc: Any) -> mmstore.RolloutLoader:
     # No node cache: Ray's actors process every image, so the loader does too.
-    ds = mmstore.RolloutDataset(store, proc, seed=0, dtype="float32", node_cache_bytes=0)
+    settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0)
+    ds = mmstore.RolloutDataset(store, proc, seed=0, materialize=settings)
     return mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=PROCESSES)
 
 

@@ -30,7 +30,8 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
         store = write_workload(f"{tmp}/s", "screenshots", samples, small_images=True, steps=4)
 
         def loader() -> mmstore.RolloutLoader:
-            ds = mmstore.RolloutDataset(store, proc, dtype=torch.bfloat16, seed=1)
+            bf16 = mmstore.Materialize(dtype=torch.bfloat16)
+            ds = mmstore.RolloutDataset(store, proc, materialize=bf16, seed=1)
             return mmstore.RolloutLoader(ds, batch_size=BATCH)
 
         total = len(loader())

@@ -53,9 +53,8 @@ def _write(port: int, bucket: str, samples: int, proc: Any) -> None:
 def samples_per_s(port: int, bucket: str, proc: Any, prefetch: bool) -> float:
     store = mmstore.Store.open(f"s3://{bucket}/store", s3_options=_s3.s3_options(port))
     # No node cache: every pass reads every image from S3, which is what is measured.
-    ds = mmstore.RolloutDataset(
-        store, proc, seed=0, node_cache_bytes=0, prefetch_requests=None if prefetch else 0
-    )
+    settings = mmstore.Materialize(node_cache_bytes=0, prefetch_requests=None if prefetch else 0)
+    ds = mmstore.RolloutDataset(store, proc, seed=0, materialize=settings)
     start = time.perf_counter()
     n = sum(len(b["sample_ids"]) for b in mmstore.RolloutLoader(ds, batch_size=BATCH))
     return n / (time.perf_counter() - start)

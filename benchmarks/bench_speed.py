@@ -58,6 +58,8 @@ from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rat
 from mmstore._format.media import decode_rgb_tensor
 
 WORKERS = 2
+# Contenders never share warm state: no node cache outlives a pass.
+NO_NODE_CACHE = mmstore.Materialize(node_cache_bytes=0)
 BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcessor}
 
 
@@ -187,7 +189,7 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     cpu = CpuTally()
 
     def ours(name: str) -> tuple[float, int]:
-        ds = mmstore.RolloutDataset(store, procs[name], seed=0, node_cache_bytes=0)
+        ds = mmstore.RolloutDataset(store, procs[name], seed=0, materialize=NO_NODE_CACHE)
         return loader_rate(mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=WORKERS))
 
     def naive(name: str) -> tuple[float, int]:
@@ -245,12 +247,9 @@ def _rank(
     # A forked process: the parent's OpenMP threads did not come along, and torch starting
     # them here hangs (libgomp). One thread, as in the loader's forked workers.
     torch.set_num_threads(1)
-    ds = mmstore.RolloutDataset(
-        store, proc, seed=0, rank=rank, world_size=2, node_cache_dir=cache_dir
-    )
-    loader = mmstore.RolloutLoader(
-        ds, batch_size=BATCH, num_workers=WORKERS, distinct_images=mode != "plain"
-    )
+    settings = mmstore.Materialize(node_cache_dir=cache_dir, distinct_images=mode != "plain")
+    ds = mmstore.RolloutDataset(store, proc, seed=0, rank=rank, world_size=2, materialize=settings)
+    loader = mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     tally = {"images": 0, "hits": 0, "misses": 0}
     for b in loader:
         if mode == "distinct_expanded_on_cpu":

@@ -16,7 +16,7 @@ Measured in one run, interleaved (A B C A B C ...), over ``--reps`` repetitions;
 spread and every repetition's value in the JSON. A "clip" below is one video of one sample
 (what a trainer consumes), so a GRPO group of 4 is 4 clips:
 
-- mmstore: ``RolloutLoader(RolloutDataset(store, adapter, dtype=torch.bfloat16),
+- mmstore: ``RolloutLoader(RolloutDataset(store, adapter, materialize=bf16_settings),
   batch_size=4, num_workers=2)``, a fresh dataset and loader each pass (so no cache survives
   from an earlier pass); its node cache is off (``node_cache_bytes=0``: it would serve later
   repetitions from ``/dev/shm``); each worker's own cache (the default 256 MiB) serves the
@@ -195,9 +195,8 @@ def before_fork() -> None:
 
 
 def dataset(work: Workload, adapter: Any, **kwargs: Any) -> mmstore.RolloutDataset:
-    return mmstore.RolloutDataset(
-        work.store, adapter, dtype=torch.bfloat16, seed=0, node_cache_bytes=0, **kwargs
-    )
+    settings = mmstore.Materialize(dtype=torch.bfloat16, node_cache_bytes=0)
+    return mmstore.RolloutDataset(work.store, adapter, materialize=settings, seed=0, **kwargs)
 
 
 def loader_pass(work: Workload, adapter: Any, workers: int) -> tuple[float, int, int]:

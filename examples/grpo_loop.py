@@ -193,7 +193,8 @@ def micro_loss(model, batch: dict[str, Any], names, batch_size: int, clip: float
 
 
 def make_loader(store, processor, run: str, args, workers: int | None = None) -> Any:
-    ds = mmstore.RolloutDataset(store, processor, dtype=torch.float32, runs=[run], seed=0)
+    fp32 = mmstore.Materialize(dtype=torch.float32)
+    ds = mmstore.RolloutDataset(store, processor, materialize=fp32, runs=[run], seed=0)
     return mmstore.RolloutLoader(
         ds, batch_size=args.batch_size, max_tokens=args.max_tokens,
         num_workers=args.workers if workers is None else workers,
@@ -300,10 +301,12 @@ def rollout_async(args: argparse.Namespace) -> None:
     store = mmstore.Store.open(args.store, create=True)
     model, processor, wrap = build_model(args.family)
     done = store.table.producer_seq("rollout")
-    for n in range(0 if done is None else done + 1, args.gens * args.steps_per_gen):
+    last = args.gens * args.steps_per_gen - 1
+    for n in range(0 if done is None else done + 1, last + 1):
         policy = max(0, n - args.async_level)
         model.load_state_dict(wait_for_weights(args, policy))
-        with store.writer(ASYNC_RUN, n, producer="rollout", seq=n) as writer:
+        # The last commit says so: the trainer then trains what waits, never waits for more.
+        with store.writer(ASYNC_RUN, n, producer="rollout", seq=n, final=n == last) as writer:
             write_groups(writer, store, model.eval(), processor, wrap, f"{ASYNC_RUN}-{n}",
                          args.batch_size // args.group_size, args.group_size,
                          seed=f"{ASYNC_RUN}/{n}", policy_version=policy)  # fmt: skip
@@ -332,7 +335,8 @@ def train_async(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total = args.gens * args.steps_per_gen
     live = mmstore.LiveLoader(
-        store, processor, runs=[ASYNC_RUN], batch_size=args.batch_size, dtype=torch.float32,
+        store, processor, runs=[ASYNC_RUN], batch_size=args.batch_size,
+        materialize=mmstore.Materialize(dtype=torch.float32),
         max_tokens=args.max_tokens, max_staleness=args.async_level, num_workers=args.workers,
     )  # fmt: skip
     trained: list[list[str]] = []
@@ -354,7 +358,9 @@ def train_async(args: argparse.Namespace) -> dict[str, Any]:
             ids: list[str] = []
             step_loss = 0.0
             for batch in live.next_step(policy_version=step, timeout=args.timeout):
-                loss = micro_loss(model, batch, live.model_input_names, args.batch_size,
+                # The step's own sample count (all ranks; one here): a step cut short by
+                # stale groups, or the run's last step, is still a mean over its samples.
+                loss = micro_loss(model, batch, live.model_input_names, batch["step_samples"],
                                   args.clip)  # fmt: skip
                 loss.backward()
                 step_loss += float(loss.detach())

@@ -9,7 +9,7 @@ from mmstore._format.models import ImageRef, MediaRef, Rollout, VideoRef
 from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import GcReport, ReleaseReport, gc, release_run
-from mmstore._lifecycle.pins import list_pins, pin, pin_rows, unpin
+from mmstore._lifecycle.pins import list_pins, pin, pin_rows, readable_versions, unpin
 from mmstore._lifecycle.upgrade import UpgradeReport, upgrade
 from mmstore._lifecycle.verify import Problem, VerifyReport, verify
 from mmstore._rows.invariants import check_rollout, truncate
@@ -26,6 +26,7 @@ from mmstore.errors import (
     InvalidArgumentError,
     InvalidRolloutError,
     LayoutMismatchError,
+    LiveFinishedError,
     LiveTimeoutError,
     MediaError,
     MediaNotFoundError,
@@ -35,6 +36,7 @@ from mmstore.errors import (
     NoMatchError,
     NotAStoreError,
     PinnedRowsError,
+    ProducerConflictError,
     RunNotFoundError,
     SampleTooLongError,
     SchemaVersionError,
@@ -52,6 +54,7 @@ from mmstore.errors import (
     VideoBombError,
     VideoDecodeError,
     WireFormatError,
+    WorkerDiedError,
 )
 
 # The first release's name for the Qwen-VL adapter.
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
     from mmstore._loading.dataset import RolloutDataset, RolloutLoader
     from mmstore._loading.distinct import expand_images
     from mmstore._loading.live import LiveLoader
+    from mmstore._loading.settings import Materialize
 
 __version__ = "0.1.0"
 
@@ -71,6 +75,7 @@ _TORCH_NAMES = {
     "RolloutLoader": "._loading.dataset",
     "expand_images": "._loading.distinct",
     "LiveLoader": "._loading.live",
+    "Materialize": "._loading.settings",
 }
 
 
@@ -107,7 +112,9 @@ __all__ = [
     "Layout",
     "LayoutMismatchError",
     "LiveLoader",
+    "LiveFinishedError",
     "LiveTimeoutError",
+    "WorkerDiedError",
     "Token",
     "SampleTooLongError",
     "MediaError",
@@ -119,6 +126,7 @@ __all__ = [
     "NetworkError",
     "NotAStoreError",
     "Problem",
+    "ProducerConflictError",
     "QwenVL",
     "QwenVLAdapter",
     "ReleaseReport",
@@ -149,11 +157,13 @@ __all__ = [
     "errors",
     "synth",
     "expand_images",
+    "Materialize",
     "export",
     "gc",
     "list_pins",
     "pin",
     "pin_rows",
+    "readable_versions",
     "release_run",
     "truncate",
     "unpin",

@@ -49,7 +49,7 @@ def main(
     # The torchvision backend, as the README and examples use: twice PIL's speed, same layout.
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    from mmstore import RolloutDataset, RolloutLoader  # torch: only when the demo runs
+    from mmstore import Materialize, RolloutDataset, RolloutLoader  # torch: only when the demo runs
 
     workdir = None
     if tmp:
@@ -75,7 +75,8 @@ def main(
                     writer.write(rollout)
         write_s = time.perf_counter() - started
 
-        dataset = RolloutDataset(store, processor, dtype=torch.bfloat16, seed=0)
+        settings = Materialize(dtype=torch.bfloat16)
+        dataset = RolloutDataset(store, processor, materialize=settings, seed=0)
         loader = RolloutLoader(dataset, batch_size=batch_size, num_workers=num_workers)
         started = time.perf_counter()
         seen = hits = misses = 0

@@ -26,6 +26,7 @@ import pyarrow.fs as pafs
 
 from mmstore import __version__, debug
 from mmstore import _demo as demo
+from mmstore._arguments import seconds
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import DiskUsage, GcReport, disk_usage, gc, release_run
 from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
@@ -36,6 +37,7 @@ from mmstore._rows.store import Store
 from mmstore._storage.backends import s3_filesystem
 from mmstore._storage.store import CREATE_REMEDY
 from mmstore.errors import (
+    InvalidArgumentError,
     MmstoreError,
     NotAStoreError,
     RunNotFoundError,
@@ -549,13 +551,15 @@ def _steps(text: str) -> range:
 
 
 def _seconds(text: str) -> float:
+    """A duration (``--grace``), as the API checks it: nan, inf and negatives refused."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"grace must be >= 0, got {text!r}")
-    return value
+    try:
+        return seconds("--grace", value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 # -- printing ----------------------------------------------------------------------------

@@ -32,11 +32,12 @@ from mmstore._families import (
     layout_for_fingerprint,
     layout_from_record,
 )
+from mmstore._format.paths import partition_of
 from mmstore._format.schema import META_LAYOUTS, ROLLOUT_SCHEMA
 from mmstore._format.video import decode_frames
 from mmstore._progress import bar
 from mmstore._rows.check import read_checked
-from mmstore._rows.files import check_run_id, open_rollout_file, partition_of, reading
+from mmstore._rows.files import check_run_id, open_rollout_file, reading
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._storage.backends import S3Backend

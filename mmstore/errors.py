@@ -26,10 +26,13 @@ top-level name, ``mmstore.NoMatchError``, and prints as one).
     │   ├── TableNotFoundError     (FileNotFoundError) no Delta log under the store's rollouts/
     │   ├── TableVersionError      (LookupError)     a version the table does not have (any more)
     │   ├── TableConflictError     (RuntimeError)    a commit that kept losing to other commits
+    │   ├── ProducerConflictError  (ValueError)      a (producer, run, seq) used for other rows
     │   ├── TableForkError         (RuntimeError)    delta-rs called in a forked child
     │   └── VersionMismatchError   (RuntimeError)    ranks (or a state) name other versions
     ├── PinnedRowsError            (RuntimeError)    a release of rows a pin holds
     ├── LiveTimeoutError           (TimeoutError)    a live step not complete in time
+    ├── LiveFinishedError          (EOFError)        every followed run finished and consumed
+    ├── WorkerDiedError            (RuntimeError)    a loader's worker process died (OOM killer)
     ├── ImageDecodeError           (ValueError)      bytes that are not a safe, decodable image
     │   ├── DecompressionBombError                   more pixels than the configured limit
     │   └── VideoDecodeError                         a clip that is not a safe, decodable video
@@ -222,7 +225,8 @@ class TableError(MmstoreError):
 
 
 class TableNotFoundError(TableError, FileNotFoundError):
-    """No Delta log under the store's ``rollouts/`` (a v1 store, or a table not yet made)."""
+    """No Delta log under the store's ``rollouts/`` (a store copied without its ``_``
+    folders, a log deleted since the store was opened): refused, never read as empty."""
 
 
 class TableVersionError(TableError, LookupError):
@@ -231,6 +235,13 @@ class TableVersionError(TableError, LookupError):
 
 class TableConflictError(TableError, RuntimeError):
     """A commit that kept losing to conflicting concurrent commits; nothing was committed."""
+
+
+class ProducerConflictError(TableError, ValueError):
+    """An exactly-once commit whose ``(producer, run, seq)`` the table already holds for other
+    rows (or whose seq lies below the producer's latest in the run and was never committed):
+    nothing was committed and nothing dropped. The context names ``producer``, ``run_id``,
+    ``seq`` and the ``version`` that holds the pair, if one does."""
 
 
 class TableForkError(TableError, RuntimeError):
@@ -266,6 +277,18 @@ class LiveTimeoutError(MmstoreError, TimeoutError):
     """A :class:`LiveLoader` step was not complete within its ``timeout``: nothing was
     consumed, and calling ``next_step`` again waits on. Names the runs followed, the step,
     the samples waiting and the samples a step needs."""
+
+
+class LiveFinishedError(MmstoreError, EOFError):
+    """A :class:`LiveLoader` has followed the final commit (``store.writer(final=True)``) of
+    every run it follows and consumed every sample: there is no next step."""
+
+
+class WorkerDiedError(MmstoreError, RuntimeError):
+    """A loader's worker process died (killed: the OOM killer's usual victim). The loader
+    let its workers go; for a :class:`LiveLoader` the step was not consumed, so calling
+    ``next_step`` again starts new workers and yields the step again from its first
+    micro-batch (discard what the trainer did with this step's earlier micro-batches)."""
 
 
 # Internal signals: raised and caught inside mmstore, never met by a user as such.

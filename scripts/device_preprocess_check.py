@@ -64,14 +64,15 @@ def build_store(
 def loader(
     store: mmstore.Store, processor: Any, args: Any, device: str | None, distinct: bool = False
 ) -> Any:
-    ds = mmstore.RolloutDataset(store, processor, seed=0, node_cache_bytes=0)
+    settings = mmstore.Materialize(
+        node_cache_bytes=0, preprocess_device=device, distinct_images=distinct
+    )
+    ds = mmstore.RolloutDataset(store, processor, seed=0, materialize=settings)
     return mmstore.RolloutLoader(
         ds,
         batch_size=args.batch_size,
         num_workers=args.workers,
-        preprocess_device=device,
         pin_memory=device is not None and device.startswith("cuda"),
-        distinct_images=distinct,
     )
 
 

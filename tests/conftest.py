@@ -27,6 +27,23 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 SMALL_MAX_PIXELS = 256 * 28 * 28
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on the S3 server is ``s3`` and ``slow``: those that ask for it by fixture
+    (``s3_store``, ``s3_options``, ``s3_endpoint``) and those marked ``s3`` by hand (a fixture
+    parameter that picks ``s3_store`` at run time). ``make check`` then needs no moto_server."""
+    for item in items:
+        if "s3_endpoint" in getattr(item, "fixturenames", ()) or item.get_closest_marker("s3"):
+            item.add_marker(pytest.mark.s3)
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_columns(monkeypatch):
+    """The terminal's width is no test's input (the CLI fits its output to ``COLUMNS``):
+    pytest-xdist's workers run with ``COLUMNS=80``. A test that wants a width sets it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _own_node_cache(tmp_path_factory, monkeypatch):
     """Each test its own node-wide pixel cache: pixels cached by one test (whose media a

@@ -88,8 +88,7 @@ def live_loader(store: mmstore.Store, **options: Any) -> mmstore.LiveLoader:
         "batch_size": BATCH_SIZE,
         "max_tokens": MAX_TOKENS,
         "max_staleness": 2,
-        "dtype": "float32",
-        "node_cache_bytes": 0,
+        "materialize": mmstore.Materialize(dtype="float32", node_cache_bytes=0),
         **options,
     }
     return mmstore.LiveLoader(store, processor(), **settings)

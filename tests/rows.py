@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 import mmstore
-from mmstore._rows.files import partition_of
+from mmstore._format.paths import partition_of
 from mmstore._rows.table import TableFile
 
 

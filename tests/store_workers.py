@@ -389,7 +389,8 @@ def upgrade_check(root: str, expected: list[str], adapter: mmstore.QwenVLAdapter
     with open(os.path.join(root, "mmstore.json")) as f:
         version = json.load(f)["format_version"]
     assert version in (1, 2), version
-    if os.path.isdir(os.path.join(root, "rollouts", "_delta_log")):
+    # A table is begun once its version 0 is there (a kill may leave its folder empty).
+    if os.path.exists(os.path.join(root, "rollouts", "_delta_log", f"{0:020d}.json")):
         table = RolloutTable(Storage.open_format(root, False, (1, 2)))
         added = [f.path for e in table.entries_after(-1) for f in e.added]
         assert added == expected[: len(added)], "not committed once each, in sorted order"

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import run
 
+pytestmark = pytest.mark.slow  # whole benchmarks, small: 15 s to 3 minutes each here
+
 
 def test_suite_smoke(tmp_path):
     results = run.main(["--scale", "0.05", "--reps", "1", "--out", str(tmp_path)])

@@ -41,11 +41,13 @@ def _shm_file(tensor: torch.Tensor) -> int:
     return os.fstat(fd).st_ino
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_batches_are_large_enough_to_use_buffers(expected):
     assert len(expected) == 12
     assert all(p.numel() * p.element_size() >= _buffers.MIN_BYTES for p in expected)
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_batches_the_trainer_keeps_are_never_overwritten(stored, expected):
     kept = list(mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2))
     assert _buffers.KEY not in kept[0]
@@ -54,6 +56,7 @@ def test_batches_the_trainer_keeps_are_never_overwritten(stored, expected):
     assert len({_shm_file(b["pixel_values"]) for b in kept}) == len(kept)
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_dropped_batches_lend_their_memory_to_later_ones(stored, expected):
     files = []
     loader = mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2)
@@ -67,6 +70,7 @@ def test_dropped_batches_lend_their_memory_to_later_ones(stored, expected):
     assert len(set(files)) < len(files)
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_a_view_the_trainer_keeps_holds_its_buffer(stored, expected):
     views = []
     loader = mmstore.RolloutLoader(_dataset(stored), batch_size=4, num_workers=2)
@@ -77,6 +81,7 @@ def test_a_view_the_trainer_keeps_holds_its_buffer(stored, expected):
         assert torch.equal(view, want[:3])
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_only_forked_workers_take_buffers(stored):
     ds = _dataset(stored)
     assert mmstore.RolloutLoader(ds, num_workers=2)._batch_buffers() is not None
@@ -104,6 +109,7 @@ def live_expected(stored):
         return [p.clone() for p in _live_pixels(live, 12)]
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_live_steps_the_trainer_keeps_are_never_overwritten(stored, live_expected):
     with _live(stored, workers=2) as live:
         kept = list(_live_pixels(live, 12))
@@ -112,6 +118,7 @@ def test_live_steps_the_trainer_keeps_are_never_overwritten(stored, live_expecte
         assert len({_shm_file(p) for p in kept}) == len(kept)
 
 
+@pytest.mark.slow  # the store of this module takes 7 s
 def test_live_steps_dropped_lend_their_memory_to_later_ones(stored, live_expected):
     files = []
     with _live(stored, workers=2) as live:

@@ -100,6 +100,7 @@ def copy(known, tmp_path) -> Path:
     return tmp_path / "store"
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_inspect_lists_rollouts(known, capsys):
     result = run_cli("inspect", known["root"])
     assert result.returncode == 0, result.stderr
@@ -153,6 +154,7 @@ def test_inspect_one_sample_and_its_picture(known, tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_stats_table_and_json(known, capsys):
     result = run_cli("stats", known["root"], "--json")
     assert result.returncode == 0, result.stderr
@@ -180,6 +182,7 @@ def test_stats_table_and_json(known, capsys):
     assert "whole store" in result.stdout and "KiB" in result.stdout
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_wrong_path_and_non_store_directory(tmp_path, capsys):
     missing = tmp_path / "no" / "such" / "store"
     assert_user_error(run_cli("stats", missing), 1, "no mmstore store", str(missing))
@@ -204,6 +207,7 @@ def test_usage_errors_exit_2(known, tmp_path, capsys):
     assert "3:x" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_verify_names_a_corrupted_media_file(copy, known, capsys):
     result = call_cli(capsys, "verify", copy)
     assert result.returncode == 0, result.stderr
@@ -233,6 +237,7 @@ def test_verify_names_a_corrupted_media_file(copy, known, capsys):
     assert call_cli(capsys, "verify", copy, "--no-hash").returncode == 0
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_gc_dry_run_then_delete(copy, known, capsys):
     store = mmstore.Store.open(copy)
     orphan = store.put_image(screenshot(99, 100, 90))  # referenced by nothing
@@ -252,6 +257,7 @@ def test_gc_dry_run_then_delete(copy, known, capsys):
     assert all((copy / m.uri).exists() for m in known["media"].values())
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_export_a_step_range(known, tmp_path, capsys):
     dest = tmp_path / "dump"
     result = run_cli("export", known["root"], dest, "--run", "r1", "--steps", "1:2", "--json")
@@ -267,6 +273,7 @@ def test_export_a_step_range(known, tmp_path, capsys):
     assert_user_error(call_cli(capsys, "export", known["root"], dest), 1, str(dest))
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_release_a_run(copy, known, capsys):
     result = call_cli(capsys, "release", copy, "r2", "--grace", "0", "--dry-run")
     assert result.returncode == 0, result.stderr
@@ -283,6 +290,22 @@ def test_release_a_run(copy, known, capsys):
     assert (copy / known["media"]["A"].uri).exists()  # still referenced by r1
 
 
+def test_a_grace_that_is_not_a_finite_number_of_seconds_is_a_usage_error(copy, capsys):
+    """Issue 39.22: `release ROOT r2 --grace nan` released the run, then exited 1 with a
+    traceback; `gc --grace nan` reported success and collected nothing."""
+    for grace in ("nan", "inf", "-inf", "-1"):
+        for command in (["release", copy, "r2"], ["gc", copy], ["stats", copy]):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_:
+                main([*map(str, command), f"--grace={grace}"])
+            assert exit_.value.code == 2
+            err = capsys.readouterr().err
+            assert "Traceback" not in err
+            assert "--grace must be a finite number of seconds >= 0" in err.splitlines()[-1]
+    assert [f.run_id for f in mmstore.Store.open(copy).files()].count("r2") == 1
+
+
+@pytest.mark.slow  # a subprocess per command
 def test_pin_keeps_a_released_runs_media(copy, known, capsys):
     only_r2 = known["media"]["C"].uri
     result = run_cli("pin", copy, "keep-r2", "--run", "r2", "--json")
@@ -318,6 +341,7 @@ def test_s3_store_through_environment(s3_store, s3_options, adapter, capsys, mon
     assert row["media_bytes"] == media.nbytes
 
 
+@pytest.mark.slow  # a subprocess per command
 def test_demo_runs(tmp_path):
     root = tmp_path / "demo"
     result = run_cli(

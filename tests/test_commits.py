@@ -67,10 +67,12 @@ def test_a_producer_commits_each_seq_once_and_says_so(store, adapter, caplog):
     assert store.table.latest_version() == 1
     assert store.listed_rollout_files() == listed  # its renamed file was removed again
     assert [r.sample_id for r in store.rollouts()] == ["a"]
-    # An older seq of the producer is a duplicate too; the next one commits.
-    with store.writer("r1", 0, producer="sampler-0", seq=3) as old:
-        old.write(row(adapter, store, "b"))
-    assert old.duplicate
+    # An older seq the producer never committed in the run cannot be committed exactly
+    # once any more: refused, typed, never dropped silently. The next one commits.
+    old = store.writer("r1", 0, producer="sampler-0", seq=3)
+    old.write(row(adapter, store, "b"))
+    with pytest.raises(mmstore.ProducerConflictError, match="never committed"):
+        old.commit()
     with store.writer("r1", 1, producer="sampler-0", seq=18) as nxt:
         nxt.write(row(adapter, store, "b"))
     assert nxt.version == 2 and store.table.producer_seq("sampler-0") == 18
@@ -130,6 +132,7 @@ def test_a_writer_killed_before_its_commit_leaves_an_orphan_gc_removes(store, ad
     assert report.rollout_bytes_freed == orphan.size and store.listed_rollout_files() == []
 
 
+@pytest.mark.slow
 def test_a_text_only_writer_finds_its_runs_family_without_listing(tmp_path, adapter):
     """Run r's only images are at step 0, then nine text-only steps. A fresh process writing
     a text-only row with an image-only token into r is refused: the run's family is

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import mmstore
 from mmstore._format.media import content_hash
 from tests.store_workers import check_store, image_bytes
@@ -14,6 +16,7 @@ from tests.store_workers import check_store, image_bytes
 WORKERS = os.path.join(os.path.dirname(__file__), "store_workers.py")
 
 
+@pytest.mark.slow  # four writer processes
 def test_four_processes_share_images_and_keep_every_row(tmp_path, adapter):
     root = tmp_path / "store"
     mmstore.Store.open(root, create=True)

@@ -23,6 +23,7 @@ from tests.store_workers import check_store, image_bytes, make_row
 WORKERS = os.path.join(os.path.dirname(__file__), "store_workers.py")
 
 
+@pytest.mark.slow  # a SIGKILL loop
 def test_sigkill_at_random_moments_leaves_committed_data_whole(tmp_path, adapter):
     root = tmp_path / "store"
     mmstore.Store.open(root, create=True)
@@ -84,6 +85,7 @@ def test_the_check_sees_torn_files_and_debris_outside_staging(store, adapter):
         check_store(store, adapter)
 
 
+@pytest.mark.slow  # a SIGKILL loop
 def test_sigkill_during_gc_release_export_and_pin_loses_nothing_referenced(tmp_path, adapter):
     # Each trial commits a run over fresh and shared media (plus unreferenced media, all past
     # the grace period), then runs gc, release_run, export or pin_rows + release_run in a

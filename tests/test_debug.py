@@ -379,3 +379,19 @@ def test_s3_store(s3_store, adapter):
     parquet = sum(f.size for f in s3_store.rollout_files())
     assert row["parquet_bytes"] == parquet > 0
     assert debug.sample_view(s3_store, "a").width > 0
+
+
+def test_sample_view_draws_a_bounded_canvas_for_a_long_valid_row(store):
+    # Within the loader's caps, yet drawn whole: 6,000 tiles of 640 px side by side (7.8 GB
+    # of RGB) and 3,125 lines of tokens. What is drawn is bounded; the header counts all.
+    refs = [
+        {"uri": "media/00/00/none.png", "hash": "0" * 32, "width": 8, "height": 8}
+        | {"offset": 2 * k, "length": 1}
+        for k in range(6000)
+    ]
+    n = 400_000
+    row = {"images": refs, "tokens": [7] * n, "loss_mask": [False] * n, "prompt_len": 1}
+    tiles = debug.thumbnails(store, row)
+    assert tiles.width * tiles.height < 50_000_000, tiles.size
+    strip = debug.token_strip(row)
+    assert strip.width * strip.height < 10_000_000, strip.size

@@ -77,6 +77,7 @@ def assert_same_batches(expected, got, *, same_workers=True):
             assert (b["cache_hits"], b["cache_misses"]) == (a["cache_hits"], a["cache_misses"])
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("workers", [0, 2])
@@ -89,6 +90,7 @@ def test_batches_equal_the_worker_path(stored, processor, workers, packed):
         assert any(b["dummy_image"] for b in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_each_distinct_image_of_a_batch_is_processed_once_on_the_device(
     stored, processor, monkeypatch, packed
@@ -121,6 +123,7 @@ def test_each_distinct_image_of_a_batch_is_processed_once_on_the_device(
             assert (want[key] is None and got[key] is None) or torch.equal(want[key], got[key])
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_resume_gives_the_same_batches(stored, processor, packed):
@@ -312,6 +315,7 @@ def test_on_a_gpu_the_image_tensors_live_there_and_a_model_takes_them(stored, pr
             assert torch.isfinite(hidden.float()).all()
 
 
+@pytest.mark.slow
 def test_batches_built_elsewhere_are_finished_where_consumed(stored, processor):
     """Ray actors build batches (``build_batch``: decoded images, pickled); the consumer's
     ``finish_batch`` runs the device stage: the loader's own batches."""
@@ -323,6 +327,7 @@ def test_batches_built_elsewhere_are_finished_where_consumed(stored, processor):
     assert_same_batches(expected, [loader.finish_batch(b) for b in built])
 
 
+@pytest.mark.slow
 def test_the_gpu_check_script_runs_on_the_cpu(tmp_path):
     """scripts/device_preprocess_check.py, as a GPU session runs it, at a tiny scale here."""
     root = Path(__file__).resolve().parent.parent

@@ -40,6 +40,7 @@ def grpo(store, adapter):
     return store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_expanded_batches_equal_the_plain_ones(grpo, small_processor, workers):
     shared = check_distinct_images(
@@ -48,6 +49,7 @@ def test_expanded_batches_equal_the_plain_ones(grpo, small_processor, workers):
     assert shared > 0  # the groups' images did travel once
 
 
+@pytest.mark.slow
 def test_with_the_node_cache_and_workers(grpo, small_processor, tmp_path):
     shared = check_distinct_images(
         grpo,
@@ -84,6 +86,7 @@ def test_a_batch_without_images_expands_to_itself(store, adapter, small_processo
     assert "image_index" not in plain and plain["pixel_values"] is None
 
 
+@pytest.mark.slow
 def test_the_vision_tower_once_per_distinct_image(grpo, small_processor):
     """What a trainer may do instead of expanding: features of the distinct images, gathered
     with ``image_index``, are the features of the plain batch's images."""

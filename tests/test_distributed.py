@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,6 +36,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo ranks in processes
 def test_two_gloo_ranks_are_disjoint_and_complete(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)

@@ -145,6 +145,7 @@ def test_hf_datasets(store, root):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # alone with test_ray.py's cluster (see there)
 def test_ray_data(root):
     ray = pytest.importorskip("ray")
 

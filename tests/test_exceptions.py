@@ -41,6 +41,7 @@ TREE = [
     (mmstore.TableNotFoundError, FileNotFoundError),
     (mmstore.TableVersionError, LookupError),
     (mmstore.TableConflictError, RuntimeError),
+    (mmstore.ProducerConflictError, ValueError),
     (mmstore.TableForkError, RuntimeError),
     (mmstore.MediaPermissionError, PermissionError),
     (mmstore.NetworkError, ConnectionError),
@@ -48,6 +49,8 @@ TREE = [
     (mmstore.VersionMismatchError, RuntimeError),
     (mmstore.PinnedRowsError, RuntimeError),
     (mmstore.LiveTimeoutError, TimeoutError),
+    (mmstore.LiveFinishedError, EOFError),
+    (mmstore.WorkerDiedError, RuntimeError),
     (mmstore.UnknownLayoutError, mmstore.InvalidRolloutError),
 ]
 

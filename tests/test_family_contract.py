@@ -82,7 +82,13 @@ def test_enough_sizes(case):
 
 @pytest.mark.parametrize(
     ("case", "layout", "width", "height"),
-    [(c, name, w, h) for c in ALL for name in c.published_layouts for w, h in c.sizes],
+    [
+        # 1440p and larger: the real processor takes a second or more here
+        pytest.param(c, name, w, h, marks=[pytest.mark.slow] if w * h >= 2560 * 1440 else [])
+        for c in ALL
+        for name in c.published_layouts
+        for w, h in c.sizes
+    ],
     ids=[f"{c}-{name}-{w}x{h}" for c in ALL for name in c.published_layouts for w, h in c.sizes],
 )
 def test_expand_gives_the_real_processors_tokens(case, layout, width, height):
@@ -351,6 +357,7 @@ def test_text_only_batches_with_and_without_a_dummy_image(case, filled, dtype):
     assert torch.isfinite(train_loss(model, padded, batch))
 
 
+@pytest.mark.slow  # a tiny model per case
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize("max_tokens", [None, 8192], ids=["padded", "packed"])
 def test_the_tiny_model_trains_on_every_live_micro_batch_of_two_ranks(case, filled, max_tokens):
@@ -648,6 +655,7 @@ def _own_positions(model: Any, adapter: Any, alone: Mapping[str, Any]) -> torch.
     return positions[:, 0]
 
 
+@pytest.mark.slow  # a tiny model per case
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_samples_equal_each_sample_alone(case, filled, attn):

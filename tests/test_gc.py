@@ -15,7 +15,7 @@ from mmstore.synth import photo
 from tests.rows import commit
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def any_store(request):
     return request.getfixturevalue("store" if request.param == "local" else "s3_store")
 
@@ -83,6 +83,47 @@ def test_gc_rejects_a_bad_grace_period(store):
         mmstore.gc(store, grace_seconds=-1)
 
 
+def test_gc_and_release_refuse_a_store_whose_log_is_gone(store, adapter):
+    """Issue 39.2: with its log gone (under a store opened before), gc with grace 0 deleted
+    every rollout file and its media as unlisted."""
+    import shutil
+
+    used, loose = put_photos(store, [1, 2])
+    files = commit(store, adapter, "r1", 0, [[used]])
+    reader = mmstore.Store.open(store.root)  # another process's, say
+    shutil.rmtree(store.backend.abspath("rollouts/_delta_log"))
+    for call in (
+        lambda: mmstore.gc(store, grace_seconds=0),
+        lambda: mmstore.release_run(store, "r1", grace_seconds=0),
+    ):
+        with pytest.raises(mmstore.TableNotFoundError, match="no commit log") as err:
+            call()
+        assert files[0] in str(err.value)
+    assert [store.backend.stat(p) is not None for p in files] == [True]
+    assert present(store, [used, loose]) == [True, True]
+    # A read makes no new, empty log that a gc would then trust.
+    with pytest.raises(mmstore.TableNotFoundError, match="lost its commit log"):
+        mmstore.verify(reader)
+    assert not os.path.exists(store.backend.abspath("rollouts/_delta_log"))
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), -1, True, "60", None])
+def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused_first(store, adapter, grace):
+    """Issue 39.22: a NaN grace collected nothing and said it succeeded; a release with it
+    removed the run's rows before anything refused it."""
+    used, loose = put_photos(store, [1, 2])
+    commit(store, adapter, "r1", 0, [[used]])
+    for call in (
+        lambda: mmstore.gc(store, grace_seconds=grace),
+        lambda: mmstore.release_run(store, "r1", grace_seconds=grace),
+        lambda: mmstore.release_run(store, "r1", grace_seconds=grace, dry_run=True),
+        lambda: mmstore.verify(store, grace_seconds=grace),
+    ):
+        with pytest.raises(mmstore.InvalidArgumentError, match="grace_seconds must be a finite"):
+            call()
+    assert [f.run_id for f in store.files()] == ["r1"] and present(store, [loose]) == [True]
+
+
 def test_release_run_keeps_shared_media_and_dry_run_matches(any_store, adapter):
     shared_1, shared_2, only_a, only_b = put_photos(any_store, [1, 2, 3, 4])
     files_a = commit(any_store, adapter, "a", 0, [[shared_1, only_a], [shared_2]])
@@ -148,6 +189,7 @@ def test_pin_refuses_bad_names_hashes_and_empty_selections(store):
     assert info.value.file == "pins/broken.json"
 
 
+@pytest.mark.slow
 def test_gc_racing_writers_leaves_no_dangling_refs(store, adapter):
     """Writers keep re-using old, unreferenced images (a put of bytes already stored only
     renews the file's timestamp) and committing rows, while gc and run releases sweep with a
@@ -324,6 +366,7 @@ def test_a_writer_renews_its_runs_records(store, adapter, monkeypatch):
 # -- what gc reads of the log ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gc_reads_the_log_after_its_checkpoint_not_every_commit_in_the_grace(
     any_store, adapter, monkeypatch
 ):

@@ -81,6 +81,7 @@ def valid_rows(draw: st.DrawFn, min_images: int = 0, min_text: int = 0) -> Rollo
 # --- valid rows ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # hypothesis
 @SETTINGS
 @given(valid_rows())
 def test_valid_rows_pass_and_round_trip_through_arrow(row):
@@ -93,6 +94,7 @@ def test_valid_rows_pass_and_round_trip_through_arrow(row):
         assert table_to_rollouts(batch) == [row]
 
 
+@pytest.mark.slow  # hypothesis
 @SETTINGS
 @given(st.lists(valid_rows(), min_size=1, max_size=4))
 def test_many_rows_round_trip_in_order(rows):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,15 @@ from mmstore._planning.live import UNKNOWN, take_step
 from mmstore._rows.table import TABLE_SCHEMA
 from mmstore.errors import GroupTooLarge
 from tests import live_workers
-from tests.live_workers import BATCH_SIZE, RUN, commit_plan, commit_rows, live_loader, train
+from tests.live_workers import (
+    BATCH_SIZE,
+    RUN,
+    commit_plan,
+    commit_rows,
+    live_loader,
+    make_row,
+    train,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,6 +157,19 @@ def test_timeout_consumes_nothing_and_waiting_goes_on(tmp_path, small_processor)
     assert live.step == 1 and live.stats()["samples"] == 4
 
 
+@pytest.mark.parametrize("timeout", ["abc", [1], True, -1, float("inf"), float("nan")])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(tmp_path, timeout):
+    """Issue 39.15: NaN waited forever, 'abc' and [1] raised bare ValueError/TypeError,
+    True was taken as 1 s."""
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    live = live_loader(store, max_tokens=None)
+    with pytest.raises(mmstore.InvalidArgumentError, match="timeout must be a finite number"):
+        live.next_step(timeout=timeout)
+    with pytest.raises(mmstore.LiveTimeoutError):  # nothing consumed; it waits on
+        live.next_step(timeout=0)
+    assert live.step == 0
+
+
 def test_an_abandoned_step_is_not_consumed(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
@@ -192,7 +215,7 @@ def test_staleness_drops_exactly_the_old_groups_and_counts_them(tmp_path, small_
         live.next_step(policy_version=1000, timeout=0)
 
 
-def test_state_resumes_in_a_new_loader_and_refuses_other_settings(tmp_path, small_processor):
+def test_state_resumes_in_a_new_loader_and_refuses_other_runs(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
     _write(store, adapter, commit_plan(4, 12))
@@ -206,8 +229,12 @@ def test_state_resumes_in_a_new_loader_and_refuses_other_settings(tmp_path, smal
     assert head + train(second, 6) == whole
     assert second.stats() == reference.stats()
     second.close()
-    with pytest.raises(mmstore.InvalidArgumentError, match="batch_size=4/8"):
-        live_loader(store, batch_size=8).load_state_dict(state)
+    with pytest.raises(mmstore.InvalidArgumentError, match="follows runs"):
+        live_loader(store, runs=["other"]).load_state_dict(state)
+    # The steps to come may take another shape: the position and the counts carry over.
+    wider = live_loader(store, batch_size=8)
+    wider.load_state_dict(state)
+    assert wider.step == 3 and wider.stats()["samples"] == first.stats()["samples"]
     with pytest.raises(mmstore.InvalidArgumentError, match="cursor"):
         live_loader(store).load_state_dict({**state, "cursor": [1, -1, 0]})
     with pytest.raises(mmstore.InvalidArgumentError, match="not a LiveLoader state"):
@@ -338,6 +365,7 @@ def _producer(tmp_path, root, plan):
     return subprocess.Popen([*command, str(plan_file)])
 
 
+@pytest.mark.slow
 def test_consumer_follows_a_producer_process_exactly_once_in_commit_order(
     tmp_path, small_processor
 ):
@@ -365,6 +393,7 @@ def test_consumer_follows_a_producer_process_exactly_once_in_commit_order(
     assert len(order) - len(trained) < BATCH_SIZE
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_consumer_at_random_points_loses_and_repeats_nothing(
     tmp_path, small_processor
 ):
@@ -414,6 +443,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_take_disjoint_shares_with_equal_micro_batches(tmp_path, small_processor):
     root = tmp_path / "s"
     store = mmstore.Store.open(root, create=True)
@@ -449,7 +479,7 @@ def test_on_s3_a_waiting_loader_reads_the_next_entry_at_most_twice_a_second(
     assert batch["sample_ids"] == [f"c0-g0-{k}" for k in range(4)]
     requests = []
     backend = type(s3_store.backend)
-    for name in ("read", "stat", "list"):
+    for name in ("read", "read_if_present", "stat", "list"):
         real = getattr(backend, name)
         monkeypatch.setattr(
             backend,
@@ -461,3 +491,176 @@ def test_on_s3_a_waiting_loader_reads_the_next_entry_at_most_twice_a_second(
     with pytest.raises(mmstore.LiveTimeoutError):
         live.next_step(timeout=3)
     assert "list" not in requests and 0 < len(requests) <= 2 * 3 + 2
+
+
+# -- removes, and states of other tables (trust round 4) ---------------------------------
+
+
+def _one_group_commits(seqs, size=2):
+    return [
+        {"run": RUN, "seq": s, "policy": 0, "delay": 0, "groups": [{"size": size, "image": True}]}
+        for s in seqs
+    ]
+
+
+def _drain(live):
+    trained = []
+    while True:
+        try:
+            step = live.next_step(timeout=0)
+        except mmstore.LiveTimeoutError:
+            return trained
+        trained += [s for b in step for s in live_workers.micro_record(b)[3]]
+
+
+def test_a_released_run_is_not_trained_and_gc_does_not_wedge_the_loader(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    released = _write(store, adapter, _one_group_commits([0, 1]))
+    mmstore.release_run(store, RUN, grace_seconds=0)
+    mmstore.gc(store, grace_seconds=0)  # the released files' bytes are gone
+    kept = _write(store, adapter, _one_group_commits([2, 3]))
+    # A loader from the start of the log replays the adds and the remove: it trains only
+    # what the table still holds, and never reads a collected file.
+    with live_loader(store) as live:
+        trained = _drain(live)
+    assert sorted(trained) == sorted(kept) and not set(trained) & set(released)
+
+
+def test_rows_released_while_waiting_are_dropped_and_counted(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    with live_loader(store) as live:
+        _write(store, adapter, _one_group_commits([0], size=3))  # waits: a step takes 4
+        with pytest.raises(mmstore.LiveTimeoutError):
+            live.next_step(timeout=0)
+        assert live.stats()["waiting_groups"] == 1
+        mmstore.release_run(store, RUN, grace_seconds=0)
+        kept = _write(store, adapter, _one_group_commits([1], size=2))
+        kept += _write(store, adapter, _one_group_commits([2], size=2))
+        trained = _drain(live)
+        assert trained == kept
+        assert live.stats()["removed_samples"] == 3
+        state = live.state_dict()
+    with live_loader(store) as resumed:  # a resume counts them as the run did
+        resumed.load_state_dict(state)
+        assert resumed.stats()["removed_samples"] == 3
+
+
+def test_a_state_of_another_store_or_beyond_the_log_is_refused(tmp_path, small_processor):
+    adapter = mmstore.adapter_for(small_processor)
+    stores = [mmstore.Store.open(tmp_path / name, create=True) for name in ("a", "b")]
+    for store in stores:
+        _write(store, adapter, _one_group_commits([0, 1, 2]))
+    with live_loader(stores[0]) as live:
+        assert list(live.next_step(timeout=5))
+        state = live.state_dict()
+    assert state["step"] == 1
+    assert state["table"] and isinstance(state["table"], str)
+    with live_loader(stores[1]) as other:
+        with pytest.raises(mmstore.InvalidArgumentError, match="another table"):
+            other.load_state_dict(state)
+        far = {**state, "table": None, "cursor": [10**9, 0, 0]}
+        with pytest.raises(mmstore.InvalidArgumentError, match="beyond"):
+            other.load_state_dict(far)
+    # A copy of the store is the same table: its state resumes there.
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    with live_loader(mmstore.Store.open(tmp_path / "copy")) as copy:
+        copy.load_state_dict(state)
+        assert copy.step == state["step"]
+
+
+def test_the_remedy_an_error_names_resumes_the_run(tmp_path, small_processor):
+    # A group larger than a step: the error says to raise batch_size, and a loader built
+    # with it takes the saved state (only the followed runs must stay the same).
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    first = _write(store, adapter, _one_group_commits([0], size=4))
+    big = _write(store, adapter, _one_group_commits([1], size=6))
+    with live_loader(store, max_tokens=None) as live:
+        assert [s for b in live.next_step(timeout=5) for s in b["sample_ids"]] == first
+        with pytest.raises(mmstore.InvalidArgumentError, match="raise batch_size"):
+            live.next_step(timeout=5)
+        state = live.state_dict()
+    with live_loader(store, max_tokens=None, batch_size=6) as fixed:
+        fixed.load_state_dict(state)
+        assert [s for b in fixed.next_step(timeout=5) for s in b["sample_ids"]] == big
+    with (
+        live_loader(store, runs=[RUN, "other"]) as other_runs,
+        pytest.raises(mmstore.InvalidArgumentError, match="runs"),
+    ):
+        other_runs.load_state_dict(state)
+
+
+def test_a_dead_worker_is_a_typed_error_and_the_step_is_replayed(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    _write(store, adapter, _one_group_commits(range(6), size=2))
+    with live_loader(store, max_tokens=40, num_workers=1) as live:
+        step = live.next_step(timeout=10)
+        first = live_workers.micro_record(next(step))
+        assert first[2] > 1  # the step has more micro-batches to come
+        for worker in live._loader._iterator._workers:  # the OOM killer's way
+            os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(mmstore.WorkerDiedError, match="next_step again"):
+            list(step)
+        assert live.step == 0  # not consumed
+        again = [live_workers.micro_record(b) for b in live.next_step(timeout=10)]
+        assert again[0] == first and live.step == 1
+
+
+def test_a_final_commit_ends_the_run_with_a_short_step_and_totals(tmp_path, small_processor):
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    first, second = (_write(store, adapter, _one_group_commits([s], size=4)) for s in (0, 1))
+    rows = [make_row(adapter, [], f"last-{k}", group_id="g") for k in range(4)]
+    with live_loader(store, batch_size=6, max_tokens=None) as live:
+        # 4 + 4 overflows 6: step 0 is the first group; then 4 wait, and more may come.
+        assert [s for b in live.next_step(timeout=5) for s in b["sample_ids"]] == first
+        with pytest.raises(mmstore.LiveTimeoutError):
+            live.next_step(timeout=0)
+        with store.writer(RUN, 2, final=True) as w:
+            w.write_many(rows)
+        assert [s for b in live.next_step(timeout=5) for s in b["sample_ids"]] == second
+        (batch,) = list(live.next_step(timeout=5))  # the producer is done: a short step
+        assert batch["sample_ids"] == [r.sample_id for r in rows]
+        assert batch["step_samples"] == 4
+        assert batch["step_loss_tokens"] == int(batch["loss_mask"].sum()) > 0
+        assert live.finished
+        with pytest.raises(mmstore.LiveFinishedError):
+            live.next_step(timeout=5)
+        state = live.state_dict()
+    with live_loader(store, batch_size=6, max_tokens=None) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.finished
+
+
+def test_on_s3_an_idle_poll_is_one_request(s3_store, small_processor):
+    # Counted on the wire: boto3's sends, and every call into pyarrow's S3 file system (its
+    # failed open of a missing key was asked again with a HEAD and a LIST).
+    adapter = mmstore.adapter_for(small_processor)
+    _write(s3_store, adapter, _one_group_commits([0], size=4))
+    with live_loader(s3_store, max_tokens=None, poll_interval=0.25) as live:
+        assert list(live.next_step(timeout=30))
+        backend = s3_store.table.storage.backend
+        assert backend.conditional_put  # boto3, the s3 extra
+        sent, arrow_calls = [], []
+        backend._client.meta.events.register(
+            "before-send.s3", lambda request, **_: sent.append(request.method)
+        )
+        real_fs = backend.fs
+
+        class CountingFS:
+            def __getattr__(self, name):
+                arrow_calls.append(name)
+                return getattr(real_fs, name)
+
+        backend.fs = CountingFS()
+        try:
+            with pytest.raises(mmstore.LiveTimeoutError):
+                live.next_step(timeout=2)
+        finally:
+            backend.fs = real_fs
+    polls = 2 / 0.25
+    assert arrow_calls == [] and set(sent) == {"GET"}
+    assert 0 < len(sent) <= polls + 2

@@ -229,6 +229,7 @@ def test_pixels_from_the_node_cache_equal_the_processors(grpo_store, tmp_path):
         assert torch.equal(a["image_grid_thw"], c["image_grid_thw"])
 
 
+@pytest.mark.slow
 def test_each_distinct_image_is_processed_once_per_node(grpo_store, tmp_path):
     """2 DataLoader workers x 2 simulated ranks of one node, sharing one directory."""
     directory = tmp_path / "node"
@@ -267,6 +268,7 @@ class _Threads(IterableDataset):
         yield torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_a_spawned_worker_runs_the_threads_it_is_given():
     loader = DataLoader(
         _Threads(),
@@ -329,6 +331,7 @@ def publish_all(store, directory):
     list(mmstore.RolloutLoader(ds, batch_size=4, num_workers=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["error", "placeholder_zero_loss"])
 def test_lost_media_is_lost_whatever_the_node_cache_holds(tmp_path, missing):
     # An earlier process published every image, then one media file was deleted: a loader
@@ -363,6 +366,7 @@ def test_lost_media_is_lost_whatever_the_node_cache_holds(tmp_path, missing):
         assert torch.equal(a["pixel_values"], b["pixel_values"])
 
 
+@pytest.mark.slow
 def test_a_node_cache_directory_others_may_write_to_is_not_trusted(tmp_path):
     # Another user pre-created the directory world-writable and planted whole, well-formed
     # entries (zero pixels, the right shapes) under the keys anyone can compute.
@@ -404,6 +408,7 @@ def without_the_grid(path, entry):
     return {"pixel_values": entry["pixel_values"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [flip_a_pixel_bit, as_float16, another_shape, without_the_grid])
 def test_an_entry_that_is_not_the_processors_is_recomputed(tmp_path, damage):
     # A flipped bit, or a whole (checksummed) entry of another dtype, shape or keys: each is

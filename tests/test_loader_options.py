@@ -15,7 +15,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from mmstore._loading import dataset as _dataset
+from mmstore._loading import settings as _settings
 from mmstore._loading.device import DeferredMaterializer
 from mmstore.synth import grpo_rollouts
 from tests.conftest import SMALL_MAX_PIXELS
@@ -103,7 +103,7 @@ def test_world_size_without_rank_is_refused(stored, processor):
 def test_a_node_cache_bound_without_a_directory_is_refused(
     stored, processor, monkeypatch, tmp_path
 ):
-    monkeypatch.setattr(_dataset, "default_directory", lambda: None)  # no /dev/shm, no env
+    monkeypatch.setattr(_settings, "default_directory", lambda: None)  # no /dev/shm, no env
     with pytest.raises(mmstore.InvalidArgumentError, match="node_cache_dir"):
         mmstore.RolloutDataset(stored, processor, node_cache_bytes=2**20)
     # Left to its default, the node cache is simply off there; a directory turns it on.
@@ -197,6 +197,7 @@ def test_loader_refuses_an_out_of_range_or_mistyped_option(ds, option, value):
         ("prefetch_factor", 0),
         ("timeout", -1),
         ("timeout", float("nan")),
+        ("timeout", float("inf")),  # 0 is how to wait without a limit
         ("multiprocessing_context", "threads"),
     ],
 )
@@ -267,3 +268,18 @@ def test_forked_workers_build_their_own_materializer(stored, processor):
     list(in_process)  # images seen again in a later epoch stay in this process's cache
     assert len(warm.source.built.cache) > 0
     assert misses(warm) == expected
+
+
+def test_drop_last_that_would_drop_a_ranks_whole_share_is_refused(stored, processor):
+    # 12 samples over 2 ranks: shares of 6; batches of 8 with drop_last train nothing.
+    for rank in (0, 1):
+        ds = mmstore.RolloutDataset(
+            stored,
+            processor,
+            rank=rank,
+            world_size=2,
+            materialize=mmstore.Materialize(node_cache_bytes=0),
+        )
+        with pytest.raises(mmstore.InvalidArgumentError, match="drop_last"):
+            mmstore.RolloutLoader(ds, batch_size=8, drop_last=True)
+        assert len(mmstore.RolloutLoader(ds, batch_size=6, drop_last=True)) == 1

@@ -289,6 +289,7 @@ _edits = st.lists(
 )
 
 
+@pytest.mark.slow  # hypothesis
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=_edits)
 def test_damage_anywhere_in_an_entry_is_never_served(edits):

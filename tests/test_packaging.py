@@ -22,6 +22,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_built_wheel_holds_py_typed_and_main(tmp_path):
     pytest.importorskip("hatchling")  # the dev extra has it; the build runs offline
     subprocess.run(
@@ -34,12 +35,14 @@ def test_the_built_wheel_holds_py_typed_and_main(tmp_path):
     assert {"mmstore/py.typed", "mmstore/__main__.py", "mmstore/cli.py"} <= names
 
 
+@pytest.mark.slow  # a subprocess
 def test_python_dash_m_mmstore_prints_the_version():
     done = run_module("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"mmstore {mmstore.__version__}"
 
 
+@pytest.mark.slow  # a subprocess
 def test_python_dash_m_mmstore_runs_a_command(tmp_path):
     done = run_module("stats", str(tmp_path / "nothing"))
     assert done.returncode == 1

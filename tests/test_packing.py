@@ -206,6 +206,7 @@ def test_dummy_image_keeps_ranks_in_lock_step(tmp_path, small_processor):
         assert b["input_ids"].shape[1] <= MAX_TOKENS
 
 
+@pytest.mark.slow
 def test_order_and_resume_are_exact_at_every_micro_batch(mixed, small_processor):
     def make(workers):
         return lambda: packed(
@@ -221,6 +222,7 @@ def test_order_and_resume_are_exact_at_every_micro_batch(mixed, small_processor)
     check_resume(make(1), key, [1, total - 1], make_resumed=make(0))
 
 
+@pytest.mark.slow
 def test_resume_across_an_epoch_boundary(mixed, small_processor):
     class TwoEpochs:
         def __init__(self, workers):

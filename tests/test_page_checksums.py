@@ -69,6 +69,7 @@ def read_plainly(path):
         return None
 
 
+@pytest.mark.slow
 def test_every_flip_is_reported_or_harmless(written):
     store, rel, path, good = written
     clean = pq.read_table(path, partitioning=None)

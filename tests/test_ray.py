@@ -28,7 +28,13 @@ from tests.conftest import SMALL_MAX_PIXELS
 ray = pytest.importorskip("ray")
 mmray = pytest.importorskip("mmstore.integrations.ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+# One worker under xdist for every Ray test (here and test_engines): a Cluster writes
+# /tmp/ray/ray_current_cluster, which a plain ray.init() elsewhere would join.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("ray"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 ON_WORKER_NODE = {"materialize": 1}
 LOOPBACK = "127.0.0.1"

@@ -130,6 +130,7 @@ def test_opening_a_store_nobody_answers_for_is_a_network_error(s3_options):
     assert not mmstore.CorruptFileError("x").retryable  # only what may pass is retryable
 
 
+@pytest.mark.slow
 def test_rows_from_a_stalled_endpoint_are_a_network_error_not_damage(
     s3_options, proxy, small_processor, adapter
 ):
@@ -151,6 +152,7 @@ def test_rows_from_a_stalled_endpoint_are_a_network_error_not_damage(
     assert "NETWORK_CONNECTION" in str(err)  # what the storage said, kept
 
 
+@pytest.mark.slow
 def test_media_from_a_stalled_endpoint_are_a_network_error_naming_sample_and_image(
     tmp_path, s3_options, proxy, small_processor, adapter
 ):

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import tracemalloc
 import uuid
 
@@ -23,9 +24,14 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mmstore
+from mmstore import debug
 from mmstore._format.schema import META_LAYOUTS, META_SCHEMA_VERSION, ROLLOUT_SCHEMA
+from mmstore._rows import table as table_module
 from mmstore.synth import photo
+from tests import rows
+from tests.forged import assert_names, huge_row_table, loader_error, many_refs_table
 from tests.rows import commit_existing
+from tests.store_workers import image_bytes
 
 IMG = 151655  # Qwen-VL's image token
 IMG_SIZE = (56, 56)  # 4 tokens in the small test layout
@@ -257,6 +263,7 @@ def _long_row(adapter, media, n):
     return row
 
 
+@pytest.mark.slow
 def test_a_huge_row_costs_no_python_lists_with_max_len(store, small_processor, adapter, media):
     forge(store, adapter, [_long_row(adapter, media, 3_000_000)])
     ds = mmstore.RolloutDataset(store, small_processor, shuffle=False, max_len=32)
@@ -422,6 +429,7 @@ def _null(row, place):
         row[place] = None
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     corruptions(),
@@ -497,3 +505,80 @@ def test_a_size_the_bytes_contradict_is_refused_on_a_cache_hit_too(
     path = forge(store, adapter, rows)
     err = refused(store, small_processor, path, error=mmstore.LayoutMismatchError)
     assert err.sample_id == "forged" and err.image_index == 0
+
+
+# --- issue 30, item 9: every reader bounds what it reads -------------------------------------
+
+
+@pytest.mark.slow
+def test_a_forged_row_of_20m_tokens_is_refused_by_every_reader(store, adapter, small_processor):
+    path = forge_table(store, adapter, huge_row_table(20_000_000))
+    assert os.path.getsize(store.backend.abspath(path)) < 256 * 1024  # a small row, forged
+    expected = loader_error(store, small_processor)
+    assert isinstance(expected, mmstore.InvalidRolloutError) and "exceed" in expected.message
+    tracemalloc.start()
+    try:
+        every_reader_refuses(store, "huge", path, expected)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # As Python lists the row alone would take gigabytes; refused, it costs none.
+    assert peak < 64 * 2**20, peak
+
+
+def test_a_forged_row_of_6000_refs_is_refused_by_every_reader(store, adapter, small_processor):
+    media = store.put_media(image_bytes(0, 56, 56))
+    path = forge_table(store, adapter, many_refs_table(adapter, media, 6000))
+    expected = loader_error(store, small_processor)
+    assert isinstance(expected, mmstore.InvalidRolloutError) and "6000 images" in expected.message
+    every_reader_refuses(store, "many", path, expected)
+
+
+def every_reader_refuses(store, sample_id, path, expected):
+    """Store.rollouts, debug.sample and debug.sample_view raise the loader's error."""
+    for read in (
+        lambda: store.rollouts(),
+        lambda: debug.sample(store, sample_id),
+        lambda: debug.sample_view(store, sample_id),
+    ):
+        with pytest.raises(mmstore.InvalidRolloutError) as info:
+            read()
+        assert info.value.message == expected.message
+        assert_names(info.value, path, sample_id)
+
+
+# --- issue 30, item 17: run ids the writer refuses are refused when read ---------------------
+
+FOREIGN_RUN_IDS = ["rün", "exp 1", "a%2Fb", "r" * 129]
+
+
+@pytest.mark.parametrize("run_id", FOREIGN_RUN_IDS, ids=["umlaut", "space", "escape", "129"])
+def test_a_committed_file_under_a_refused_run_id_is_refused_when_read(
+    store, adapter, small_processor, monkeypatch, run_id
+):
+    with pytest.raises(mmstore.InvalidRolloutError):
+        store.writer(run_id=run_id, step=0)
+    media = [store.put_media(image_bytes(0, 56, 56))]
+    [good] = rows.commit(store, adapter, "good", 0, [media])
+    path = f"rollouts/run_id={run_id}/step=0/part-foreign-00000.parquet"
+    os.makedirs(os.path.dirname(store.backend.abspath(path)), exist_ok=True)
+    shutil.copy(store.backend.abspath(good), store.backend.abspath(path))
+    # Another engine's commit: mmstore's own commit refuses the run id, that engine's not.
+    with monkeypatch.context() as m:
+        m.setattr(table_module, "_check_file", lambda file: None)
+        commit_existing(store, path)
+    listed = [f.path for f in store.files() if f.path != good]
+    assert len(listed) == 1
+
+    for read in (
+        lambda: mmstore.RolloutDataset(store, small_processor),  # when the snapshot is built
+        lambda: store.rollouts(),
+        lambda: mmstore.export(store, store.root + "-dump"),
+        lambda: debug.sample(store, "good-0-0", run_id=run_id),
+    ):
+        with pytest.raises(mmstore.CorruptFileError, match="run id") as info:
+            read()
+        assert (info.value.file, info.value.run_id) == (listed[0], run_id)
+    # Only what reads the foreign file refuses: the rest of the store reads.
+    ds = mmstore.RolloutDataset(store, small_processor, runs=["good"])
+    assert len(ds) == 1

@@ -258,6 +258,7 @@ def test_unexpected_failure_is_answered_not_raised(store, small_processor, refs,
     assert "failed unexpectedly" in caplog.text
 
 
+@pytest.mark.slow
 def test_request_over_the_pixel_budget_is_refused_before_any_decode(store, qwen2_processor):
     # 64 refs to one 1080p screenshot: 16 KB of text asking for ~3 GB of float32 pixels.
     media = store.put_image(photo(5, 1920, 1080))

@@ -280,15 +280,24 @@ def test_a_request_over_the_byte_budget_is_refused_before_any_decode(
     text = wire.encode(video_refs[0])
     one = ok(resolve_wire_refs(store, [text], processor))
     size = one["pixel_values_videos"].nbytes + one["video_grid_thw"].nbytes
+    # Its frames decoded at full size, and the processor's copy: one clip at a time.
+    ref = video_refs[0]
+    decoding = 2 * len(ref.frames) * ref.width * ref.height * 3
 
-    resolver = RefResolver(store, processor, max_request_bytes=3 * size)
+    resolver = RefResolver(store, processor, max_request_bytes=3 * size + decoding)
     calls = counting(resolver, monkeypatch)
     refused(resolver.resolve([text] * 4), 3, "request_too_large")
     assert calls == [] and resolver.stats()["misses"] == 0
     ok(resolver.resolve([text] * 3))
     assert len(calls) == 1  # the same frames of one clip: processed once
     refused(
-        RefResolver(store, processor, max_request_bytes=size - 1).resolve([text]),
+        RefResolver(store, processor, max_request_bytes=size + decoding - 1).resolve([text]),
+        0,
+        "request_too_large",
+    )
+    # The decoded frames count: tensors that fit, frames that do not, are refused.
+    refused(
+        RefResolver(store, processor, max_request_bytes=size + decoding // 2).resolve([text]),
         0,
         "request_too_large",
     )

@@ -42,6 +42,7 @@ def batch_key(batch):
     return tuple(batch["sample_ids"])
 
 
+@pytest.mark.slow
 def test_dataset_samples_resume(filled, small_processor):
     ref = check_resume(
         lambda: dataset(filled, small_processor),
@@ -51,6 +52,7 @@ def test_dataset_samples_resume(filled, small_processor):
     assert len(ref) == 3 * 3 + 3 * 4 + 3 * 5
 
 
+@pytest.mark.slow
 def test_batch_stream_resumes(filled, small_processor):
     ds = dataset(filled, small_processor)
 
@@ -69,6 +71,7 @@ def test_batch_stream_resumes(filled, small_processor):
     check_resume(make, key=batch_key, cuts=range(0, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "even"), [(1, False), (2, False), (3, True)])
 def test_loader_resumes_at_every_cut(filled, small_processor, world, even):
     for rank in range(world):
@@ -83,6 +86,7 @@ def test_loader_resumes_at_every_cut(filled, small_processor, world, even):
         check_resume(make, key=batch_key, cuts=range(0, batches + 1))
 
 
+@pytest.mark.slow
 def test_loader_resumes_with_other_worker_counts(filled, small_processor):
     def make(workers):
         def build():
@@ -153,6 +157,7 @@ def epoch_loop(loader, epochs, *, start=0, stop_after=None):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", [3, 9, 12])
 def test_usual_epoch_loop_keeps_the_resume_point(filled, small_processor, cut):
     """``set_epoch(e)`` at the top of the loop after ``load_state_dict`` must not rewind e
@@ -167,6 +172,7 @@ def test_usual_epoch_loop_keeps_the_resume_point(filled, small_processor, cut):
     assert head + tail == reference
 
 
+@pytest.mark.slow
 def test_set_epoch_to_another_epoch_starts_it_over(filled, small_processor):
     loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
     whole = [batch_key(b) for b in loader]  # reads epoch 0, then stands at epoch 1

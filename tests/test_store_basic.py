@@ -11,7 +11,7 @@ import mmstore
 from mmstore.synth import screenshot
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def any_store(request):
     return request.getfixturevalue("store" if request.param == "local" else "s3_store")
 

@@ -14,6 +14,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import pytest
 
 import mmstore
 
@@ -48,7 +49,8 @@ def check_every_row_once(store: mmstore.Store, results: list[list[dict]]) -> Non
         assert [f.path for f in by_version[c["version"]].added] == [c["path"]]
     for index, child in enumerate(results):  # each producer's pairs, in its commit order
         pairs = [p for c in child for p in by_version[c["version"]].producers]
-        assert pairs == [(f"w{index}", seq) for seq in range(COMMITS)]
+        key = f"run_id=conc/w{index}"  # the producer's key in its run (issue 39.3)
+        assert pairs == [(key, seq) for seq in range(COMMITS)]
     # Every committed row, read from the latest version's files, exactly once.
     files = store.files()
     assert sorted(f.path for f in files) == sorted(c["path"] for c in commits)
@@ -61,12 +63,14 @@ def check_every_row_once(store: mmstore.Store, results: list[list[dict]]) -> Non
     assert set(ids) == expected and set(ids.values()) == {1}
 
 
+@pytest.mark.slow  # four writer processes
 def test_four_store_writer_processes_keep_every_row_once_locally(tmp_path):
     root = str(tmp_path / "store")
     mmstore.Store.open(root, create=True)
     check_every_row_once(mmstore.Store.open(root), run_writers(root))
 
 
+@pytest.mark.slow  # four writer processes
 def test_four_store_writer_processes_keep_every_row_once_on_s3(s3_options):
     bucket = f"mm-{uuid.uuid4().hex[:12]}"
     pafs.S3FileSystem(**s3_options).create_dir(bucket)

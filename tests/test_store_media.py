@@ -16,7 +16,7 @@ from mmstore._format.media import content_hash
 from tests.store_workers import image_bytes, make_row, tree
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def any_store(request):
     return request.getfixturevalue("store" if request.param == "local" else "s3_store")
 

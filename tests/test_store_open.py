@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 
 import pyarrow.fs as pafs
@@ -11,6 +12,8 @@ import pytest
 import mmstore
 from mmstore._storage.backends import s3_filesystem
 from mmstore._storage.manifest import FORMAT_VERSION, MANIFEST
+from mmstore.synth import photo
+from tests.rows import commit
 
 
 def test_create_writes_a_manifest_and_reopens(tmp_path):
@@ -177,3 +180,82 @@ def test_file_uri_roots(tmp_path):
     assert mmstore.Store.open(f"file://{tmp_path}/a%20b").backend.base == str(spaced)
     with pytest.raises(mmstore.NotAStoreError):
         mmstore.Store.open(f"file://otherhost{tmp_path}/a%20b")
+
+
+# -- a store without its log (a copy that skipped `_` folders), a `rollouts` that is a file
+
+
+def test_a_store_copied_without_its_log_refuses_to_open(tmp_path, adapter):
+    """Issue 39.2: files, media and run records but no `_delta_log` opened as an empty
+    store (a new version 0): every row gone, and gc then deleted them all."""
+    root = tmp_path / "store"
+    store = mmstore.Store.open(root, create=True)
+    media = store.put_image(photo(1, 48, 40))
+    (path,) = commit(store, adapter, "r1", 0, [[media]])
+    log = root / "rollouts" / "_delta_log"
+    saved = tmp_path / "log"
+    shutil.copytree(log, saved)
+    before = sorted(p.relative_to(root) for p in root.rglob("*") if "_delta_log" not in p.parts)
+    for damage in ("gone", "empty", "no version 0"):
+        shutil.rmtree(log, ignore_errors=True)
+        if damage != "gone":
+            shutil.copytree(saved, log)
+            for entry in log.iterdir():
+                if damage == "empty" or entry.name == f"{0:020d}.json":
+                    entry.unlink()
+        with pytest.raises(mmstore.TableNotFoundError, match="restore rollouts/_delta_log/") as err:
+            mmstore.Store.open(root)
+        assert path in str(err.value) and "runs/r1/" in str(err.value), damage
+        assert err.value.root == str(root) and err.value.log == "rollouts/_delta_log"
+        with pytest.raises(mmstore.TableNotFoundError):
+            mmstore.upgrade(root)  # no other way in either
+        now = sorted(p.relative_to(root) for p in root.rglob("*") if "_delta_log" not in p.parts)
+        assert now == before, damage  # nothing made, nothing deleted
+    shutil.rmtree(log)
+    shutil.copytree(saved, log)  # restored: as it was
+    assert [f.path for f in mmstore.Store.open(root).files()] == [path]
+    # The recovery the error names without a copy of the log: commit the files anew.
+    shutil.rmtree(log)
+    manifest = json.loads((root / MANIFEST).read_text())
+    (root / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    mmstore.upgrade(root)
+    again = mmstore.Store.open(root)
+    assert [f.path for f in again.files()] == [path] and mmstore.verify(again).ok
+
+
+def test_a_log_that_starts_at_a_checkpoint_opens(store, adapter):
+    """Entries below a checkpoint cleaned up (as delta-rs's log cleanup does): the log
+    starts at the checkpoint, and the store opens with its rows."""
+    media = store.put_image(photo(1, 48, 40))
+    paths = [p for step in range(3) for p in commit(store, adapter, "r1", step, [[media]])]
+    version = store.table.checkpoint()
+    for entry in range(version):
+        store.backend.delete(f"rollouts/_delta_log/{entry:020d}.json")
+    assert sorted(f.path for f in mmstore.Store.open(store.root).files()) == sorted(paths)
+
+
+def test_a_store_holding_only_its_manifest_gets_its_table_on_open(tmp_path):
+    """A creator killed between the manifest and the table: the next open makes it."""
+    root = tmp_path / "store"
+    mmstore.Store.open(root, create=True)
+    shutil.rmtree(root / "rollouts")
+    store = mmstore.Store.open(root)
+    assert store.files() == [] and store.table.latest_version() == 0
+
+
+def test_a_rollouts_file_is_not_a_store(tmp_path):
+    """Issue 39.23: `rollouts` a file gave a DeltaError on open and a NotADirectoryError
+    from a store object."""
+    root = tmp_path / "store"
+    store = mmstore.Store.open(root, create=True)
+    shutil.rmtree(root / "rollouts")
+    (root / "rollouts").write_text("not a folder")
+    for call in (lambda: mmstore.Store.open(root), store.files, lambda: mmstore.gc(store)):
+        with pytest.raises(mmstore.NotAStoreError, match=r"'rollouts' .* is a file") as err:
+            call()
+        assert err.value.path == "rollouts" and err.value.root == str(root)
+    (root / "rollouts").unlink()
+    (root / "rollouts").mkdir()
+    (root / "rollouts" / "_delta_log").write_text("not a folder")
+    with pytest.raises(mmstore.NotAStoreError, match=r"'rollouts/_delta_log' .* is a file"):
+        mmstore.Store.open(root)

@@ -1,5 +1,7 @@
 """The store distrusts its own disk: damaged media, failed commits and deletes, hostile files
-and names, forged loader states, manifests and footers (issue 13, items 8-14)."""
+and names, forged loader states, manifests and footers (issue 13, items 8-14; issue 30, item
+18). A network error is never reported as damage, and S3's refusal of media is a permission
+error (issue 30)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from mmstore._rows import files as _refscan
 from mmstore._storage import backends as _backends
 from mmstore.cli import main
 from mmstore.integrations.vllm import resolve_wire_refs
+from tests import rows
 from tests.rows import commit
 from tests.store_workers import image_bytes, make_row
 
@@ -339,6 +342,22 @@ def test_load_state_dict_refuses_files_outside_the_store(two_stores, small_proce
     assert [b["sample_ids"] for b in loader] == [["a-0-0"]]
 
 
+def test_a_state_naming_a_file_twice_is_refused(store, adapter, small_processor):
+    media = [store.put_media(image_bytes(0, 56, 56))]
+    first = rows.commit(store, adapter, "r", 0, [media] * 2)[0]
+    rows.commit(store, adapter, "r", 1, [media] * 2)
+    loader = mmstore.RolloutLoader(mmstore.RolloutDataset(store, small_processor), batch_size=2)
+    state = loader.state_dict()
+    for target in (loader, loader.dataset):
+        for files in ([first, first], [*state["files"], first]):
+            sub = target.state_dict()
+            with pytest.raises(mmstore.InvalidArgumentError, match="twice") as info:
+                target.load_state_dict({**sub, "files": files})
+            assert info.value.file == first
+    loader.load_state_dict(state)  # the state as taken still loads
+    assert len(list(loader)) == 2
+
+
 # -- item 14: forged manifests and footers are typed, one line in the CLI -----------------
 
 
@@ -410,3 +429,58 @@ def test_gc_puts_back_media_a_killed_gc_left_claimed(store, adapter):
     report = mmstore.gc(store, grace_seconds=0)
     assert report.deleted == [] and os.path.exists(path)
     assert mmstore.verify(store).ok
+
+
+# -- verify and network errors; S3 refusals on media ------------------------------------
+
+STALLED = (
+    "When reading information for key 'x' in bucket 'b': AWS Error NETWORK_CONNECTION during "
+    "HeadObject operation: curlCode: 28, Timeout was reached"
+)
+# pyarrow's texts for S3's refusals: a HEAD's (no body: the SDK names the code from the
+# status) and a GET whose 403 carried a code the SDK does not know.
+DENIED = [
+    "When reading information for key 'ext/shot.png' in bucket 'locked': AWS Error "
+    "ACCESS_DENIED during HeadObject operation: No response body.",
+    "When reading 'ext/shot.png' in bucket 'locked': AWS Error UNKNOWN (HTTP status 403) "
+    "during GetObject operation: AllAccessDisabled",
+]
+
+
+class FailingFS:
+    """A pyarrow file system whose every open and stat fails with ``message`` (pyarrow's own
+    text); anything else goes to ``fs``."""
+
+    def __init__(self, fs, message):
+        self._fs, self._message = fs, message
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def _fail(self, *args, **kwargs):
+        raise OSError(self._message)
+
+    open_input_file = open_input_stream = get_file_info = _fail
+
+
+def test_verify_raises_a_network_error_instead_of_reporting_damage(store, adapter):
+    media = [store.put_media(image_bytes(0, 56, 56))]
+    [path] = rows.commit(store, adapter, "r", 2, [media])
+    assert mmstore.verify(store).ok
+    store.backend.fs = FailingFS(store.backend.fs, STALLED)
+    with pytest.raises(mmstore.NetworkError) as info:
+        mmstore.verify(store)
+    assert info.value.retryable and (info.value.file, info.value.run_id) == (path, "r")
+
+
+@pytest.mark.parametrize("message", DENIED, ids=["access_denied", "403"])
+def test_s3_access_denied_on_media_is_a_media_permission_error(tmp_path, message):
+    store = mmstore.Store.open(tmp_path / "s", create=True, trusted_roots=["s3://locked/ext"])
+    uri = "s3://locked/ext/shot.png"
+    backend, _ = store.resolve(uri)
+    backend.fs = FailingFS(backend.fs, message)
+    for read in (lambda: store.read_media(uri, "0" * 32), lambda: store.media_stat(uri)):
+        with pytest.raises(mmstore.MediaPermissionError, match="access denied") as info:
+            read()
+        assert isinstance(info.value, PermissionError) and info.value.uri == uri
+        assert not info.value.retryable

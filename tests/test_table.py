@@ -20,15 +20,16 @@ from deltalake.exceptions import CommitFailedError
 
 import mmstore
 from mmstore._format.schema import ROLLOUT_SCHEMA
-from mmstore._rows import table as table_module
+from mmstore._rows import delta as delta_module
+from mmstore._rows import log as log_module
 from mmstore._rows.table import (
     TABLE_SCHEMA,
     CommitResult,
     RolloutTable,
     TableFile,
     TableSnapshot,
-    delta_s3_options,
 )
+from mmstore._storage.backends import delta_s3_options
 from mmstore._storage.store import Storage
 from tests.table_workers import rollout_rows, write_part
 
@@ -81,6 +82,7 @@ def test_create_is_idempotent_and_declares_the_row_schema_plus_typed_partitions(
     assert delta.metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
 
 
+@pytest.mark.slow
 def test_processes_racing_to_create_the_table_all_find_one_table(storage):
     out = run_workers("create", storage.root, "--procs", "4")
     assert out == {"exit_codes": [0] * 4, "results": [0] * 4}
@@ -206,8 +208,9 @@ def test_a_retried_producer_seq_commits_nothing_twice(table):
     assert first.version == 1 and first.producer_seq == 17
     again = table.commit([write_part(table.storage, "r", 0, "b")], producer="sampler-0", seq=17)
     assert again == CommitResult(None, True, "sampler-0", 17, producer_seq=17)
-    older = table.commit([write_part(table.storage, "r", 0, "c")], producer="sampler-0", seq=3)
-    assert older.duplicate and older.version is None
+    # A seq below the latest that the run never committed: refused, typed (issue 39.3).
+    with pytest.raises(mmstore.ProducerConflictError, match="never committed"):
+        table.commit([write_part(table.storage, "r", 0, "c")], producer="sampler-0", seq=3)
     other = table.commit([write_part(table.storage, "r", 0, "d")], producer="sampler-1", seq=0)
     assert other.version == 2  # another producer's seqs are its own
     nxt = table.commit([write_part(table.storage, "r", 0, "e")], producer="sampler-0", seq=18)
@@ -226,6 +229,7 @@ def test_producer_seqs_survive_a_checkpoint_and_a_fresh_open(table):
     assert retry.duplicate and len(fresh.snapshot().files) == 7
 
 
+@pytest.mark.slow
 def test_a_crash_after_the_commit_then_a_retry_in_another_process_commits_nothing(table):
     crashed = subprocess.run(
         [sys.executable, WORKERS, "crash", table.storage.root, "--name", "one",
@@ -235,11 +239,13 @@ def test_a_crash_after_the_commit_then_a_retry_in_another_process_commits_nothin
     assert crashed.returncode == 17, crashed.stderr  # died without a word after committing
     retry_file = write_part(table.storage, "crash", 0, "one", rows=3)  # the same file again
     retry = table.commit([retry_file], producer="sampler-3", seq=5)
-    assert retry.duplicate and retry.version is None and retry.producer_seq == 5
+    # The pair's entry lists this very file: it is this commit, made already (issue 39.1).
+    assert not retry.duplicate and retry.version == 1 and retry.producer_seq == 5
     assert table.snapshot().files == (retry_file,)
-    assert [e.producers for e in table.entries_after(0)] == [(("sampler-3", 5),)]
+    assert [e.producers for e in table.entries_after(0)] == [(("run_id=crash/sampler-3", 5),)]
 
 
+@pytest.mark.slow
 def test_racing_commits_of_the_same_pair_commit_once(table):
     out = run_workers("same-pair", table.storage.root, "--procs", "3", "--commits", "6")
     assert out["exit_codes"] == [0, 0, 0]
@@ -251,7 +257,8 @@ def test_racing_commits_of_the_same_pair_commit_once(table):
     won = sorted(a["path"] for a in attempts if not a["dup"])
     assert sorted(f.path for f in table.snapshot().files) == won
     assert table.latest_version() == 6
-    assert [e.producers for e in table.entries_after(0)] == [(("p", s),) for s in range(6)]
+    key = "run_id=pair/p"  # the producer's key in its run (issue 39.3)
+    assert [e.producers for e in table.entries_after(0)] == [((key, s),) for s in range(6)]
 
 
 # -- concurrent writers ----------------------------------------------------------------------
@@ -279,6 +286,7 @@ def check_concurrent_writers(table: RolloutTable, out: dict, procs: int, commits
         assert table.producer_seq(f"w{index}") == commits - 1
 
 
+@pytest.mark.slow
 def test_four_writer_processes_commit_every_file_once_locally(table):
     out = run_workers("writers", table.storage.root, "--procs", "4", "--commits", "25")
     check_concurrent_writers(table, out, 4, 25)
@@ -304,7 +312,8 @@ def test_s3_table_reads_versions_removes_and_dedups(s3_storage):
     files = [write_part(s3_storage, "0042", i, f"f{i}") for i in range(4)]
     for i, f in enumerate(files):
         assert table.commit([f], producer="p", seq=i).version == i + 1
-    assert table.commit([files[0]], producer="p", seq=2).duplicate
+    again = write_part(s3_storage, "0042", 2, "again")  # seq 2's rows, another file
+    assert table.commit([again], producer="p", seq=2).duplicate
     saved = table.snapshot(2)
     assert table.remove_run("0042").version == 5
     assert RolloutTable(s3_storage).snapshot(2) == saved and table.snapshot().files == ()
@@ -323,7 +332,7 @@ def test_on_s3_commits_are_mmstores_own_entries_put_if_absent(s3_storage, monkey
     other = RolloutTable(s3_storage)  # another writer, behind: it last read version 0
     other.latest_version()
     assert table.commit([write_part(s3_storage, "r", 0, "a")]).version == 1
-    entry = json.loads(table._read_log_json(1).splitlines()[0])  # commitInfo first
+    entry = json.loads(table._log.read_json(1).splitlines()[0])  # commitInfo first
     assert entry["commitInfo"]["engineInfo"] == "mmstore"
     assert not s3_storage.backend.put_if_absent(
         "rollouts/_delta_log/00000000000000000001.json", b"{}"
@@ -423,23 +432,36 @@ def test_commit_arguments_are_checked(table):
 
 def test_a_commit_that_keeps_conflicting_gives_up_with_a_typed_error(table, monkeypatch):
     # Another writer that always wins the next version (and whose entry cannot be read).
-    monkeypatch.setattr(table_module, "LOG_COMMIT_ATTEMPTS", 3)
-    monkeypatch.setattr(table, "_put_log_entry", lambda version, text: False)
+    monkeypatch.setattr(log_module, "LOG_COMMIT_ATTEMPTS", 3)
+    monkeypatch.setattr(table._log, "_put_entry", lambda version, text: False)
     with pytest.raises(mmstore.TableConflictError, match="3 attempts") as info:
         table.commit([write_part(table.storage, "r", 0, "a")], producer="p", seq=0)
     assert isinstance(info.value, RuntimeError) and info.value.table == table.uri
     assert table.latest_version() == 0
 
 
-def test_a_removal_that_keeps_conflicting_gives_up_with_a_typed_error(table, monkeypatch):
+@pytest.mark.parametrize("log_writer", [True, False], ids=["own log", "delta-rs"])
+def test_a_removal_that_keeps_conflicting_gives_up_with_a_typed_error(
+    table, monkeypatch, log_writer
+):
     table.commit([write_part(table.storage, "r", 0, "a")])
+    backend = type(table.storage.backend)
+    if log_writer:  # another writer that always wins the next version
+        real = backend.write_atomic
 
-    # Another writer that always wins: each attempt finds the log moved on and conflicting.
-    def always_loses(*args, **kwargs):
-        raise CommitFailedError("Failed to commit transaction: Concurrent transaction failed.")
+        def loses(self, rel, data, **kwargs):
+            return False if "_delta_log/" in rel else real(self, rel, data, **kwargs)
 
-    monkeypatch.setattr(table_module, "COMMIT_ATTEMPTS", 3)
-    monkeypatch.setattr(table, "_transact", always_loses)
+        monkeypatch.setattr(delta_module, "LOG_COMMIT_ATTEMPTS", 3)
+        monkeypatch.setattr(backend, "write_atomic", loses)
+    else:  # a store that cannot put if absent: delta-rs removes
+
+        def always_loses(*args, **kwargs):
+            raise CommitFailedError("Failed to commit transaction: Concurrent transaction failed.")
+
+        monkeypatch.setattr(backend, "puts_if_absent", property(lambda self: False))
+        monkeypatch.setattr(delta_module, "COMMIT_ATTEMPTS", 3)
+        monkeypatch.setattr(table._delta, "_transact", always_loses)
     with pytest.raises(mmstore.TableConflictError, match="3 attempts") as info:
         table.remove_run("r")
     assert info.value.table == table.uri
@@ -457,18 +479,20 @@ def test_a_commit_writes_a_protocol_correct_log_entry_that_delta_rs_reads(table)
     assert [next(iter(a)) for a in actions] == ["commitInfo", "txn", "add"]
     info, txn, add = actions[0]["commitInfo"], actions[1]["txn"], actions[2]["add"]
     assert info["operation"] == "WRITE" and info["timestamp"] > 0
-    assert len(info[table_module.COMMIT_ID_KEY]) == 32
-    assert txn["appId"] == "sampler-0" and txn["version"] == 9 and txn["lastUpdated"] > 0
+    assert len(info[log_module.COMMIT_ID_KEY]) == 32
+    key = "run_id=0042/sampler-0"  # the producer in its run (issue 39.3)
+    assert txn["appId"] == key and txn["version"] == 9 and txn["lastUpdated"] > 0
     assert add["path"] == "run_id=0042/step=3/part-a.parquet"
     assert add["partitionValues"] == {"run_id": "0042", "step": "3"}
     assert add["size"] == file.size and add["dataChange"] is True
     assert add["modificationTime"] > 0 and json.loads(add["stats"]) == {"numRecords": 2}
     delta = DeltaTable(table.uri)
-    assert delta.version() == 1 and delta.transaction_version("sampler-0") == 9
+    assert delta.version() == 1 and delta.transaction_version(key) == 9
     assert delta.history(1)[0]["operation"] == "WRITE"
     assert delta.to_pyarrow_table().num_rows == 2
 
 
+@pytest.mark.slow
 def test_a_warm_commit_reads_only_the_next_entry_whatever_the_tables_size(table, monkeypatch):
     """No listing, no checkpoint, no replay, no delta-rs table: one failed read of the next
     version's entry (then the entry is written), at 3 files as at 40 (past checkpoints)."""
@@ -476,7 +500,7 @@ def test_a_warm_commit_reads_only_the_next_entry_whatever_the_tables_size(table,
     def no_delta_rs_table():
         raise AssertionError("a commit loaded the table's files through delta-rs")
 
-    monkeypatch.setattr(table, "_table", no_delta_rs_table)
+    monkeypatch.setattr(table._delta, "_table", no_delta_rs_table)
     backend = type(table.storage.backend)
     seen: list[str] = []
     real_read, real_list = backend.read, backend.list
@@ -509,6 +533,7 @@ def test_a_stale_table_object_reads_the_commits_it_missed(table):
     assert [f.path for f in other.snapshot().files] == ["rollouts/run_id=q/step=0/part-d.parquet"]
 
 
+@pytest.mark.slow
 def test_the_latest_snapshot_follows_the_log_near_and_far_behind(table):
     """A table object keeps the latest version's files up to date from the log: after a
     few commits it reads only their entries; far behind (past a checkpoint) it reopens.
@@ -545,6 +570,7 @@ def test_results_are_plain_data_that_pickle(table):
     assert clone.latest_version() == table.latest_version()
 
 
+@pytest.mark.slow
 def test_a_forked_child_gets_a_typed_error_instead_of_a_panic(table):
     file = write_part(table.storage, "r", 0, "a")
     table.commit([file])
@@ -557,6 +583,7 @@ def test_a_forked_child_gets_a_typed_error_instead_of_a_panic(table):
     assert report["parent_after_fork"] == 1
 
 
+@pytest.mark.slow
 def test_replaying_the_log_without_delta_rs_gives_every_versions_files(table):
     """Commits, removals and checkpoints (every 5 versions here): the Python replay agrees
     with delta-rs on every version, and on the latest."""

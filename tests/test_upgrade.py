@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -108,6 +109,7 @@ def test_upgrade_on_s3(s3_store, adapter):
     assert upgraded.rollouts() == rows
 
 
+@pytest.mark.slow  # a SIGKILL loop
 def test_sigkill_at_random_points_of_upgrades_loses_nothing(tmp_path):
     """50 upgrades (one commit per file, so a kill lands between, in and after commits),
     each killed at a random moment; after every kill the store is checked: every file
@@ -125,3 +127,79 @@ def test_sigkill_at_random_points_of_upgrades_loses_nothing(tmp_path):
     print(outcome)
     assert outcome["killed"] + outcome["finished"] == 50
     assert outcome["killed"] >= 25 and outcome["upgraded"] >= 2, outcome
+
+
+UPGRADER = """
+import json, os, sys, time
+import mmstore
+root, ready, go = sys.argv[1:4]
+open(ready, "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.001)
+report = mmstore.upgrade(root, batch_files=1)
+print(json.dumps(report.to_dict()))
+"""
+
+
+@pytest.mark.slow  # processes racing
+@pytest.mark.parametrize("trial", range(2))
+def test_two_upgrades_at_once_commit_each_file_once(tmp_path, adapter, trial):
+    """Two processes upgrade the same store at the same moment (one commit per file, so
+    their commits interleave): each file is added by one log entry, once (it used to be
+    added twice, 39-40 of 40: a live loader from version 0 trained those rows twice)."""
+    root = tmp_path / "s"
+    rows = format_1_store(root, adapter)
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", UPGRADER, str(root), str(tmp_path / f"ready{i}"), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline, "the upgraders did not start"
+            time.sleep(0.01)
+        go.touch()
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sum(r["files_committed"] for r in reports) == 6, reports
+    store = mmstore.Store.open(root)
+    added = [f.path for e in store.table.entries_after(0) for f in e.added]
+    assert len(added) == len(set(added)) == 6 and added == sorted(added)
+    assert store.rollouts() == rows
+    report = mmstore.verify(store)
+    assert report.ok, report.problems
+
+
+def test_verify_reports_a_file_the_log_adds_twice(tmp_path, adapter):
+    """The latest version lists the file once, yet a loader following the log trains it
+    twice: verify names the file and the version that added it again."""
+    root = tmp_path / "s"
+    format_1_store(root, adapter)
+    mmstore.upgrade(root)
+    store = mmstore.Store.open(root)
+    first = store.table.log_entry(1)
+    again = store.backend.read("rollouts/_delta_log/00000000000000000001.json")
+    latest = store.table.latest_version()
+    name = f"rollouts/_delta_log/{latest + 1:020d}.json"
+    store.backend.write_atomic(
+        name, again.replace(b'"mmstore.commitId":"', b'"mmstore.commitId":"x')
+    )
+    store = mmstore.Store.open(root)
+    assert len(store.files()) == len(first.added)  # the version lists each once
+    report = mmstore.verify(store)
+    twice = [p for p in report.problems if p.kind == "file_added_twice"]
+    assert not report.ok and sorted(p.file for p in twice) == sorted(f.path for f in first.added)
+    assert all(f"log version {latest + 1}" in p.message for p in twice)

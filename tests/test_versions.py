@@ -207,6 +207,7 @@ def _rank(rank: int, world: int, port: int, root: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_built_while_a_writer_commits_read_the_same_version(tmp_path, adapter):
     root = str(tmp_path / "s")
     store = mmstore.Store.open(root, create=True)

@@ -392,6 +392,7 @@ def test_a_video_sample_is_the_processors_own_inputs(case, filled, sample_id):
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_bf16_batches_cast_floats_and_keep_grids(case, filled):
     """Pairs of rows (a video pair, an image and a text-only row, a mixed and a video row)."""
     want = {

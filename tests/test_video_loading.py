@@ -99,6 +99,7 @@ def inputs(loader: mmstore.RolloutLoader, batch: dict[str, Any]) -> dict[str, An
     return {k: batch[k] for k in loader.model_input_names}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_video_samples_give_the_logits_of_each_sample_alone(mixed_store, processor, attn):
     model = QWEN_VL.tiny_model(torch.float32, attn)
@@ -156,6 +157,7 @@ def test_a_distinct_batch_carries_a_shared_clip_once_and_expands_to_the_plain_ba
     assert plain["video_grid_thw"].dtype == torch.int64
 
 
+@pytest.mark.slow
 def test_the_node_cache_serves_a_clip_equal_to_processing_it(mixed_store, processor, tmp_path):
     def videos(**options: Any) -> list[torch.Tensor]:
         dataset = mmstore.RolloutDataset(mixed_store, processor, dtype=torch.bfloat16, **options)
@@ -254,6 +256,7 @@ def packable_cases() -> list[Any]:
     return list({**VIDEO_CASES, **TIMESTAMPED_VIDEO_CASES}.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("case", packable_cases(), ids=str)
 def test_every_video_family_packs_samples_as_they_run_alone(store, case, attn):

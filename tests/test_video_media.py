@@ -256,6 +256,7 @@ def test_missing_pyav_names_the_extra(monkeypatch):
         decode_frames(data, [0])
 
 
+@pytest.mark.slow
 def test_importing_the_module_does_not_import_pyav():
     code = "import sys, mmstore._format.video; assert 'av' not in sys.modules, 'av imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -382,6 +383,7 @@ def test_a_seek_that_lands_late_falls_back_to_the_start(monkeypatch, decodes):
     assert min(decodes) >= frame_pts(data)[20]  # packets before the keyframe skipped
 
 
+@pytest.mark.slow
 def test_a_worker_forked_after_a_decode_does_not_hang(tmp_path):
     """FFmpeg's threaded RGB converter, kept alive by a reference cycle until a garbage
     collection, joined threads the fork did not copy when collected in a DataLoader worker:

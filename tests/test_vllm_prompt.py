@@ -15,8 +15,10 @@ import pytest
 from PIL import Image
 
 import mmstore
+from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
 from mmstore.integrations import vllm
 from mmstore.synth import VISION_END, VISION_START, photo, screenshot
+from tests.store_workers import image_bytes, make_row
 
 
 @pytest.fixture
@@ -196,6 +198,7 @@ def test_vllm_prefill_scores_the_whole_rollout(store, rollout):
     assert request["sampling_params"]["max_tokens"] >= 1
 
 
+@pytest.mark.slow  # a subprocess
 def test_imports_without_vllm():
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now raises ImportError
@@ -203,3 +206,18 @@ def test_imports_without_vllm():
         "assert callable(vllm.to_vllm_prompt) and callable(vllm.resolve_wire_refs)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_vllm_prompt_refuses_rows_above_the_loaders_caps(store, adapter):
+    media = store.put_media(image_bytes(0, 56, 56))
+    row = make_row(adapter, [media], "s")
+    too_long = mmstore.Rollout.model_construct(
+        **{**dict(row), "tokens": [7] * (MAX_ROW_TOKENS + 1), "images": []}
+    )
+    too_many = mmstore.Rollout.model_construct(**{**dict(row), "images": row.images * 6000})
+    for forged, what in ((too_long, "exceed"), (too_many, "6000 images")):
+        for build in (vllm.to_vllm_prompt, vllm.to_prefill_request):
+            with pytest.raises(mmstore.InvalidRolloutError, match=what) as info:
+                build(store, forged)
+            assert info.value.sample_id == "s"
+    assert MAX_ROW_IMAGES > 6000  # refused as the loader does: more images than tokens

@@ -36,6 +36,7 @@ def _held_after_free(mode: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(os, "confstr") or "CS_GNU_LIBC_VERSION" not in os.confstr_names,
     reason="glibc only",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, settings
 
@@ -31,6 +32,7 @@ DTYPES = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
@@ -74,6 +76,7 @@ def _loader(store, workers):
     return mmstore.RolloutLoader(ds, batch_size=4, num_workers=workers)
 
 
+@pytest.mark.slow
 def test_worker_batches_equal_batches_built_here(stored):
     here = list(_loader(stored, 0))
     sent = list(_loader(stored, 2))

@@ -17,7 +17,7 @@ from tests.store_workers import image_bytes, make_row, tree
 PART = re.compile(r"^rollouts/run_id=(\w+)/step=(\d+)/part-([0-9a-f]{32})-(\d{5})\.parquet$")
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def any_store(request):
     return request.getfixturevalue("store" if request.param == "local" else "s3_store")
 
@@ -223,6 +223,25 @@ def test_bad_partition_is_refused(store, run_id, step):
         store.writer(run_id=run_id, step=step)
     assert err.value.run_id == run_id
     assert tree(store.backend.base) == before
+
+
+@pytest.mark.parametrize("seq", [2**63, 2**64, -1, True, 1.0, "7"])
+def test_a_seq_no_delta_reader_can_hold_is_refused_before_any_work(store, adapter, seq):
+    """Issue 39.17: seq >= 2**63 was committed; delta-rs then wrote no checkpoint again,
+    opens slowed 12-18x and producer_seq() raised an untyped DeltaError."""
+    before = tree(store.backend.base)
+    with pytest.raises(mmstore.InvalidArgumentError, match=re.escape("[0, 2**63 - 1]")) as err:
+        store.writer(run_id="r", step=0, producer="p", seq=seq)
+    assert err.value.producer == "p"
+    assert tree(store.backend.base) == before
+    # The largest seq a Delta txn version holds commits once, and reads back.
+    media = store.put_media(image_bytes(1, 32, 32))
+    for attempt in range(2):
+        with store.writer(run_id="r", step=0, producer="p", seq=2**63 - 1) as w:
+            w.write(make_row(adapter, [media], "s0"))
+        assert w.duplicate == (attempt == 1)
+    assert store.table.producer_seq("p") == 2**63 - 1
+    assert [f.rows for f in mmstore.Store.open(store.root).files()] == [1]
 
 
 def test_bad_row_group_size_is_refused(store):

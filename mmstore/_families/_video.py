@@ -147,7 +147,8 @@ class VideoFamily(OfLayout, ABC):
 
     @property
     def video_token_id(self) -> int:
-        """The one token a chat template emits per video (what :meth:`expand` replaces)."""
+        """The one token a chat template emits per video (what
+        :meth:`.Family.expand_media` replaces)."""
         return self.layout.token_id("video_token_id")
 
     @property

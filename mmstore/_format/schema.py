@@ -28,6 +28,9 @@ META_LAYOUTS = b"mmstore.layouts"
 # an epoch from these without reading a token list; a file without it (an older mmstore, or
 # another Parquet engine) is still read, its lengths taken from the ``tokens`` lists.
 META_NUM_TOKENS = b"mmstore.num_tokens"
+# "true" in the files of a producer's final commit to its run (``store.writer(final=True)``):
+# a live loader that has followed every run's final commit trains the last, short step.
+META_FINAL = b"mmstore.final"
 
 IMAGE_REF_TYPE = pa.struct(
     [
@@ -99,15 +102,22 @@ PARTITION_FIELDS = (pa.field("run_id", pa.string()), pa.field("step", pa.int32()
 
 
 def file_metadata(
-    run_id: str, step: int, layouts: dict[str, Any], num_tokens: Sequence[int] = ()
+    run_id: str,
+    step: int,
+    layouts: dict[str, Any],
+    num_tokens: Sequence[int] = (),
+    *,
+    final: bool = False,
 ) -> dict[bytes, bytes]:
-    """Key-value metadata of one rollout Parquet file (``num_tokens``: each row's count)."""
+    """Key-value metadata of one rollout Parquet file (``num_tokens``: each row's count;
+    ``final``: the run's last commit)."""
     return {
         META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
         META_RUN_ID: run_id.encode(),
         META_STEP: str(step).encode(),
         META_LAYOUTS: json.dumps(layouts, sort_keys=True).encode(),
         META_NUM_TOKENS: encode_num_tokens(num_tokens),
+        **({META_FINAL: b"true"} if final else {}),
     }
 
 

@@ -45,6 +45,7 @@ from mmstore._rows.files import (
     where_of_file,
 )
 from mmstore._rows.runs import record_layouts, run_layouts
+from mmstore._rows.snapshot import collected
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._rows.versions import commit_files
@@ -86,7 +87,14 @@ def export(
     # (bit rot, a forged row) stops the export with nothing written.
     for file in selected:
         check_run_id(file)
-    checked = {f.path: _collect_refs(store, f.path, media) for f in selected}
+    checked = {}
+    for file in selected:
+        try:
+            checked[file.path] = _collect_refs(store, file.path, media)
+        except CorruptFileError as exc:  # gone: collected since ``version``?
+            if version is None or store.backend.stat(file.path) is not None:
+                raise
+            raise collected(store, version, file.path) or exc from None
     target = _create_empty(os.fspath(dest), store.s3_options if s3_options is None else s3_options)
     with ThreadPoolExecutor(COPY_THREADS) as pool:
         jobs = pool.map(lambda item: _copy_media(store, target, *item), media.items())

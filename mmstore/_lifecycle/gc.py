@@ -60,20 +60,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mmstore._arguments import seconds
 from mmstore._format.media import media_path
+from mmstore._format.paths import check_partition, is_partition_dir, run_of
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._rows.files import media_hash, referenced_hashes, select_from
 from mmstore._rows.runs import RUNS, run_dir, stale_records
 from mmstore._rows.store import Store
 from mmstore._rows.versions import table_of, version_at, version_files
-from mmstore._rows.writer import check_partition
 from mmstore._storage.backends import STAGING, Backend, FileStat, LocalBackend
-from mmstore._storage.store import MEDIA, ROLLOUTS
-from mmstore.errors import (
-    DeleteFailedError,
-    InvalidArgumentError,
-    PinnedRowsError,
-)
+from mmstore._storage.store import MEDIA
+from mmstore.errors import DeleteFailedError, PinnedRowsError
 
 # Deletes are I/O bound (one or two S3 round trips each); a few threads hide the latency.
 SWEEP_THREADS = 16
@@ -130,6 +127,7 @@ def gc(
     (see the module docstring), and ``_staging/`` leftovers. Safe next to running writers
     and readers. Raises :class:`DeleteFailedError` naming the rollout files that survived
     their delete (their media is kept), after doing everything else."""
+    grace_seconds = seconds("grace_seconds", grace_seconds)
     report = _collect(store, grace_seconds, dry_run, progress)
     _raise_failed(report, _failed(store, report))
     return report
@@ -156,6 +154,8 @@ def release_run(
     :class:`DeleteFailedError` naming them (their media is kept); calling it again finishes.
     """
     check_partition(run_id, 0)
+    grace_seconds = seconds("grace_seconds", grace_seconds)
+    store.check_log()
     latest = version_files(store)
     files = [f.path for f in latest.files if f.run_id == run_id]
     marker = f"{run_dir(run_id)}/{RELEASE_MARKER}"
@@ -212,12 +212,9 @@ def _collect(
     progress: bool | None,
     removing: frozenset[str] = frozenset(),
 ) -> GcReport:
-    """One gc. ``removing``: files a dry-run release would remove from the latest version
-    now (kept while within the grace period, as removed files are)."""
-    if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int | float):
-        raise InvalidArgumentError(f"grace_seconds must be a number, got {grace_seconds!r}")
-    if grace_seconds < 0:
-        raise InvalidArgumentError(f"grace_seconds must be >= 0, got {grace_seconds}")
+    """One gc (``grace_seconds`` checked by the caller). ``removing``: files a dry-run
+    release would remove from the latest version now (kept while within the grace period,
+    as removed files are)."""
     now = time.time()
     cutoff = now - grace_seconds
     if not dry_run:
@@ -287,7 +284,7 @@ def _stale_run_records(
     file about to be committed: its run's records stay), older than the cutoff."""
     gone = {f.path for f in doomed}
     paths = kept | {f.path for f in parquet if f.path not in gone}
-    keep_runs = {_run_of(path) for path in paths}
+    keep_runs = {run_of(path) for path in paths}
     return sorted(r.path for r in stale_records(records, keep_runs, cutoff))
 
 
@@ -299,16 +296,16 @@ def _delete_if_older(backend: Backend, rel: str, cutoff: float) -> bool:
     return True
 
 
-def _run_of(path: str) -> str:
-    """The run of ``rollouts/run_id=<run>/step=<step>/<name>``."""
-    return path.split("/")[1].removeprefix("run_id=")
-
-
 def needed_files(store: Store, cutoff: float, pins: dict[str, PinRecord]) -> tuple[int, set[str]]:
     """The latest version, and every rollout file a version someone may read lists: the
     versions from the one that was the latest at ``cutoff`` on (the latest's files and
     every file a commit since removed), and the pins'. Reads the log's entries after its
-    last checkpoint and the checkpoint's tombstones, not every commit since ``cutoff``."""
+    last checkpoint and the checkpoint's tombstones, not every commit since ``cutoff``.
+
+    A log that does not start where a log starts (version 0, or a checkpoint) is refused
+    first (:meth:`Store.check_log`): read as it stands it lists nothing, so every file
+    would look unneeded."""
+    store.check_log()
     latest = version_files(store)
     at_cutoff = version_at(store, cutoff * 1000, latest.version)
     needed = {f.path for f in latest.files}
@@ -328,7 +325,7 @@ def _delete_rollout_files(store: Store, files: list[FileStat]) -> None:
     if isinstance(store.backend, LocalBackend):
         for directory in sorted({f.path.rsplit("/", 1)[0] for f in files}, reverse=True):
             for part in (directory, directory.rsplit("/", 1)[0]):  # step=…, then run_id=…
-                if part.startswith(f"{ROLLOUTS}/run_id="):
+                if is_partition_dir(part):
                     with contextlib.suppress(OSError):
                         os.rmdir(store.backend.abspath(part))
 
@@ -445,6 +442,7 @@ def disk_usage(store: Store, grace_seconds: float = 3600) -> DiskUsage:
     gc with ``grace_seconds`` would do into what it frees now and what it keeps only for the
     grace period (released rows, young unreferenced media), with when that goes. Uses gc's
     own rule (:func:`needed_files`), so the two never disagree; reads, never deletes."""
+    grace_seconds = seconds("grace_seconds", grace_seconds)
     now = time.time()
     cutoff = now - grace_seconds
     media = [m for m in store.backend.list(MEDIA) if media_hash(m.path) is not None]

@@ -10,7 +10,9 @@ A pin is how something outside the latest table version holds on to data:
   refuses to release rows a pin holds unless forced, and gc never deletes a pinned file.
 
 A pin protects from every gc that starts after it is written; it cannot bring back bytes
-that are already gone (``verify`` reports that).
+that are already gone (``verify`` reports that): :func:`pin_rows` of a version whose files
+gc collected raises :class:`~mmstore.errors.TableVersionError` saying so, and
+:func:`readable_versions` lists the versions that still read whole.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from mmstore._format.models import ImageRef, MediaRef, VideoRef
 from mmstore._rows.files import HASH_RE, referenced_hashes, select_from
+from mmstore._rows.snapshot import collected
 from mmstore._rows.store import Store
 from mmstore._rows.versions import version_files
 from mmstore._storage.store import PINS
@@ -103,8 +106,48 @@ def pin_rows(
     if not files:
         raise NoMatchError(f"no committed rollout files match runs={runs!r}, steps={steps!r}")
     paths = [f.path for f in files]
+    for path in paths:  # a pin of rows gc has collected would hold nothing
+        if store.backend.stat(path) is None:
+            raise collected(store, table.version, path) or CorruptFileError(
+                f"a file of version {table.version} is missing, yet the version still lists it",
+                file=path,
+                version=table.version,
+            )
     hashes = referenced_hashes(store, paths, progress=False)
     return _write_pin(store, name, hashes, table.version, paths)
+
+
+def readable_versions(store: Store) -> list[int]:
+    """The table versions that still read whole, oldest first: those whose every file is
+    still there (gc collects a version's files once a later commit removed them and the
+    grace period passed, unless a pin holds them) and whose log entry is not cleaned up.
+    Reads the log's entries back from the latest and lists ``rollouts/`` once."""
+    store.check_log()
+    table = store.table
+    latest = version_files(store)
+    there = {f.path for f in store.listed_rollout_files()}
+    first = table.first_version()
+    current = {f.path for f in latest.files}
+    missing = current - there
+    readable = []
+    version = latest.version
+    while True:
+        if not missing:
+            readable.append(version)
+        if version <= first:
+            break
+        entry = table.log_entry(version, check_cleaned=False)
+        if entry is None:
+            break
+        for file in entry.added:  # version - 1 lists what this one lists, but these
+            current.discard(file.path)
+            missing.discard(file.path)
+        for path in entry.removed:  # and these
+            current.add(path)
+            if path not in there:
+                missing.add(path)
+        version -= 1
+    return readable[::-1]
 
 
 def unpin(store: Store, name: str) -> None:

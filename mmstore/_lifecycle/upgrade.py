@@ -9,9 +9,14 @@ format 2. Nothing is rewritten or moved; pins (media hashes) keep working as the
 
 Safe to kill at any point and run again: until the manifest says 2 the store is a format-1
 store (a format-1 reader ignores ``_delta_log``, whose name starts with ``_``), and a rerun
-commits only the files the table does not list yet, in the same order. Stop the writers of
-the old mmstore first: a file they commit after the upgrade listed the directory is not in
-the table (format 2 reads only what the log lists; gc would remove it as an orphan).
+commits only the files the table does not list yet, in the same order. Safe to run twice at
+once (two operators, a retried job): idempotent at the log, each batch's commit leaves out
+the files any commit since the upgrade read the table added (``absent_since``: checked
+against every log entry it loses a version to, under the commit's put-if-absent), so no
+file is added twice and a live loader following the log from version 0 trains each once.
+Stop the writers of the old mmstore first: a file they commit after the upgrade listed the
+directory is not in the table (format 2 reads only what the log lists; gc would remove it
+as an orphan).
 """
 
 from __future__ import annotations
@@ -23,17 +28,17 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mmstore._format.paths import is_placed, partition_of
 from mmstore._format.schema import META_LAYOUTS
 from mmstore._progress import bar
-from mmstore._rows.files import open_rollout_file, partition_of
+from mmstore._rows.files import open_rollout_file
 from mmstore._rows.runs import record_layouts
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._rows.versions import commit_files, version_files
-from mmstore._rows.writer import RUN_ID_PATTERN
 from mmstore._storage.backends import FileStat
 from mmstore._storage.manifest import FORMAT_V1, FORMAT_VERSION, MANIFEST
-from mmstore.errors import CorruptFileError, MmstoreError
+from mmstore.errors import CorruptFileError
 
 # Files per commit: a commit's log entry stays small (an add action is ~300 bytes), and a
 # store of 100,000 files takes 100 commits, a few checkpoints among them.
@@ -69,31 +74,56 @@ def upgrade(
         return UpgradeReport(root, False, 0, len(store.files()), version, 0)
     files = _format_1_files(store)
     store.table.create()
-    committed = {f.path for f in version_files(store).files}
+    read = version_files(store)
+    committed = {f.path for f in read.files}
     todo = [f for f in files if f.path not in committed]
     layouts: dict[str, dict[str, dict[str, Any]]] = {}
     pending: list[TableFile] = []
+    batches = _Batches(store, read.version, committed)
     for stat in bar(todo, desc="upgrade", unit="file", progress=progress):
         pending.append(_table_file(store, stat, layouts))
         if len(pending) >= batch_files:
-            commit_files(store, pending)
+            batches.commit(pending)
             pending = []
     if pending:
-        commit_files(store, pending)
+        batches.commit(pending)
     for path in (f.path for f in files if f.path in committed):  # their runs' records too
         _read_layouts(store, path, layouts)
     for run_id, found in sorted(layouts.items()):
         record_layouts(store, run_id, found, cached=False)
     _bump_manifest(store)
     version = version_files(store).version
-    return UpgradeReport(root, True, len(todo), len(files) - len(todo), version, len(layouts))
+    done = batches.added
+    return UpgradeReport(root, True, done, len(files) - done, version, len(layouts))
+
+
+class _Batches:
+    """An upgrade's commits: each batch leaves out the files the table lists by now (read
+    from the log entries since the last batch: another upgrade's commits), and its commit
+    leaves out those a commit racing it adds (``absent_since``)."""
+
+    def __init__(self, store: Store, version: int, committed: set[str]) -> None:
+        self.store = store
+        self.seen = version  # the log read up to here; committed: its files
+        self.committed = committed
+        self.added = 0  # files this upgrade committed
+
+    def commit(self, batch: list[TableFile]) -> None:
+        for entry in self.store.table.entries_after(self.seen):
+            self.committed.update(f.path for f in entry.added)
+            self.seen = entry.version
+        batch = [f for f in batch if f.path not in self.committed]
+        if not batch:
+            return
+        result = commit_files(self.store, batch, absent_since=self.seen)
+        self.added += len(batch) - len(result.skipped)
 
 
 def _format_1_files(store: Store) -> list[FileStat]:
     """What a format-1 reader read: every Parquet file under ``rollouts/`` outside ``_`` and
     ``.`` folders, in path order; each must lie directly in its partition's directory."""
     files = store.listed_rollout_files()
-    misplaced = [f.path for f in files if not _placed(f.path)]
+    misplaced = [f.path for f in files if not is_placed(f.path)]
     if misplaced:
         raise CorruptFileError(
             f"{len(misplaced)} rollout file(s) are not directly under a "
@@ -103,17 +133,6 @@ def _format_1_files(store: Store) -> list[FileStat]:
             files=misplaced[:10],
         )
     return files
-
-
-def _placed(path: str) -> bool:
-    parts = path.split("/")
-    if len(parts) != 4 or "%" in parts[3]:
-        return False
-    try:
-        run_id, step = partition_of(path)
-    except MmstoreError:
-        return False
-    return bool(RUN_ID_PATTERN.match(run_id)) and parts[1:3] == [f"run_id={run_id}", f"step={step}"]
 
 
 def _table_file(

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from mmstore._arguments import seconds
 from mmstore._format.media import content_hash
 from mmstore._format.schema import ROW_COLUMNS, check_schema_version
 from mmstore._lifecycle.gc import needed_files
@@ -68,6 +69,7 @@ from mmstore.errors import (
 PROBLEM_KINDS = (
     "missing_file",
     "size_mismatch",
+    "file_added_twice",
     "orphan_file",
     "unreadable_file",
     "schema_version",
@@ -122,6 +124,7 @@ def verify(
     listed by file, run, step, sample and image or video (``image_index``,
     ``video_index``). With the latest version, Parquet files no needed version lists that
     are older than ``grace_seconds`` are reported as orphans."""
+    grace_seconds = seconds("grace_seconds", grace_seconds)
     # Files before media: a file committed before the log was read had its media in place
     # before its commit, so the media listing below sees it even with writers running.
     listed = store.listed_rollout_files() if version is None else []
@@ -136,6 +139,7 @@ def verify(
             found, count = _verify_listed(store, file, checker, pool, seen_samples, sizes)
             problems += found
             refs += count
+    problems += _added_twice(store, table.version)
     pins = _read_pins(store)
     if isinstance(pins, Problem):
         problems.append(pins)
@@ -174,6 +178,38 @@ def _verify_listed(
         message = f"the file has {size} bytes, the table's log records {file.size}"
         return [Problem("size_mismatch", message, **where)], 0
     return _verify_file(store, file.path, checker, pool, seen_samples)
+
+
+def _added_twice(store: Store, version: int) -> list[Problem]:
+    """Files a log entry up to ``version`` adds while the table lists them already (no
+    remove in between): a live loader following the log from the start trains their rows
+    twice, though the version itself lists each once (two upgrades at once did this before
+    issue 39). Reads each JSON entry once (from the last checkpoint's files where the
+    entries below it are cleaned up)."""
+    table = store.table
+    live: set[str] = set()
+    start = -1
+    if version >= 0 and table.log_entry(0, check_cleaned=False) is None:
+        checkpoint = table._log.last_checkpoint()  # entries below it were cleaned up
+        if checkpoint is None or int(checkpoint["version"]) > version:
+            return []
+        start = int(checkpoint["version"])
+        live = {f.path for f in table.replay(start).files}
+    problems = []
+    for entry in table.entries_after(start, limit=version - start):
+        live.difference_update(entry.removed)
+        for file in entry.added:
+            if file.path in live:
+                problems.append(
+                    Problem(
+                        "file_added_twice",
+                        f"log version {entry.version} adds this file again while the table "
+                        "lists it: a loader following the log trains its rows twice",
+                        **where_of_file(file.path),
+                    )
+                )
+            live.add(file.path)
+    return problems
 
 
 def _exists(store: Store, path: str) -> bool:

@@ -96,7 +96,7 @@ class BatchBuffers:
 
     @contextmanager
     def building(self) -> Iterator[None]:
-        """Batches built inside take free buffers (:func:`._stack.concat`); one that fails
+        """Batches built inside take free buffers (:func:`.stack.concat`); one that fails
         gives back the buffers it took (no trainer will ever hold, nor free, them)."""
         global active
         active = self
@@ -141,5 +141,5 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 # The buffers of the batch stream running in this worker: set by BatchBuffers.labelled, read
-# by :func:`._collate.concat`, deep under each family's collate, which cannot pass them on.
+# by :func:`.stack.concat`, deep under each family's collate, which cannot pass them on.
 active: BatchBuffers | None = None

@@ -1,6 +1,8 @@
 """Samples -> one right-padded batch, in the tensors the sample's model family takes.
 
-Also what every family's batch shares, whatever the family: the keys its model takes
+Its keys, their dtypes and shapes are declared in :mod:`.batch_keys` (the per-sample ones
+built there, by :func:`.batch_keys.sample_fields`, for packed micro-batches too). Also what
+every family's batch shares, whatever the family: the keys its model takes
 (:func:`model_input_names`) and its per-token types (:func:`token_types`).
 """
 
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 from mmstore._families import Family, expansion_array, video_half
+from mmstore._loading.batch_keys import sample_fields
 from mmstore._loading.device import collate_images
 from mmstore._loading.distinct import VIDEO_INDEX_KEY, VIDEO_ROWS_KEY, distinct, rows
 from mmstore._loading.materialize import Materialized
@@ -84,11 +87,12 @@ def collate(
     dtype: torch.dtype = torch.bfloat16,
     distinct_images: bool = False,
 ) -> dict[str, Any]:
-    """Pad and stack ``samples``; image tensors batched as ``family`` says.
+    """Pad and stack ``samples``; image tensors batched as ``family`` says. The keys are
+    :func:`.batch_keys.built_keys` ``(family, "padded")``.
 
     With ``dummy_image``, a batch without any image gets one tiny zero image appended after
     the first sample's tokens, attended (so position ids see it) but never in the loss, so
-    every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`._distinct`.
+    every FSDP rank runs the vision tower. ``distinct_images``: see :mod:`.distinct`.
     """
     samples = list(samples)
     check_media_mix(
@@ -133,13 +137,7 @@ def collate(
             family, [v for s in samples for v in s.videos], distinct_videos=distinct_images
         ),
         "logprobs": logprobs,
-        "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        "reward": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-        "prompt_lens": torch.tensor([s.prompt_len for s in samples], dtype=torch.int64),
-        "sample_ids": [s.sample_id for s in samples],
-        "group_ids": [s.group_id for s in samples],
-        "images_missing": sum(1 for s in samples if s.missing_uris),
-        "missing_uris": [uri for s in samples for uri in s.missing_uris],
+        **sample_fields(samples),
         "dummy_image": extra is not None,
     }
 

@@ -2,8 +2,8 @@
 
 The loader is a torch DataLoader over a stream of whole batches (``batch_size=None``):
 worker ``w`` builds batches ``k + w, k + w + n, …`` of the rank's sample sequence (see
-:mod:`._order`), so the batches come out in the same order for any number of workers and a
-resume at batch ``k`` reads nothing before it.
+:mod:`mmstore._planning.order`), so the batches come out in the same order for any number
+of workers and a resume at batch ``k`` reads nothing before it.
 """
 
 from __future__ import annotations
@@ -15,27 +15,20 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mmstore._families import Family, adapter_for, takes_tensors, video_half
+from mmstore._families import adapter_for, takes_tensors
 from mmstore._format.media import warm_decoder
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
 from mmstore._loading.device import DevicePreprocessor, check_device
-from mmstore._loading.materialize import (
-    DEFAULT_CACHE_BYTES,
-    Materializer,
-    MissingPolicy,
-    Sample,
-    check_missing_policy,
-)
+from mmstore._loading.layouts import check_layouts
+from mmstore._loading.materialize import Materializer, Sample
 from mmstore._loading.microbatch import packed_input_names
-from mmstore._loading.node_cache import DEFAULT_NODE_CACHE_BYTES, default_directory
 from mmstore._loading.options import flag, optional_whole, seconds, whole
 from mmstore._loading.packed import PackedPlanner, PackedStream
-from mmstore._loading.prefetch import DEFAULT_PREFETCH_BYTES, default_requests
 from mmstore._loading.ranks import agreed_version
+from mmstore._loading.settings import Materialize, rank_and_world, settings_from
 from mmstore._loading.spec import MaterializerSource, ReadSpec
 from mmstore._loading.workers import (
     WorkerStream,
@@ -45,22 +38,20 @@ from mmstore._loading.workers import (
     reraise,
     start_method,
 )
-from mmstore._planning.order import DEFAULT_WINDOW_UNITS, EpochPlan, worker_batches
-from mmstore._rows.files import partition_of
-from mmstore._rows.snapshot import (
-    Snapshot,
-    fingerprints_by_file,
-    recorded_layouts,
-    take_snapshot,
-    video_fingerprints_by_file,
-)
+from mmstore._planning.order import DEFAULT_WINDOW_UNITS, SHARDING, EpochPlan, worker_batches
+from mmstore._rows.snapshot import take_snapshot
 from mmstore._rows.store import Store
-from mmstore.errors import InvalidArgumentError, LayoutMismatchError
+from mmstore.errors import InvalidArgumentError
 
+# 3: padded batches: ranks share each epoch by samples (contiguous, balanced: "sharding");
 # 2: the state names the table version it read ("table_version"); 1 (format-1 stores):
-# files only, checked against the latest version.
-STATE_VERSION = 2
-STATE_VERSIONS = (1, 2)
+# files only, checked against the latest version. A padded state of 1 or 2 dealt row groups
+# to ranks: resumed only where the order is the same (one rank), see _comparable.
+STATE_VERSION = 3
+STATE_VERSIONS = (1, 2, 3)
+# The settings a RolloutLoader still takes as flat keywords (for one release): the batch's
+# form and the device stage, applied over its dataset's.
+PER_LOADER = ("pad_token_id", "dummy_image", "distinct_images", "preprocess_device")
 
 
 class _Part:
@@ -108,35 +99,20 @@ class RolloutDataset(IterableDataset[Sample]):
         shuffle: shuffle row groups, then the rows within each window of them; ``False``
             reads in file order.
         seed: the shuffle's seed (an int; taken modulo 2**32).
-        rank, world_size: this process's shard of the row groups. Both ``None``: from
-            ``torch.distributed`` when it is initialized, else rank 0 of 1. ``world_size``
-            above 1 without ``rank`` is refused (every process would read shard 0).
+        rank, world_size: this process's share of each epoch: a contiguous run of the
+            epoch order, the ranks' sizes differing by at most one sample (see
+            :mod:`mmstore._planning.order`). Both ``None``: from ``torch.distributed`` when
+            it is initialized, else rank 0 of 1. ``world_size`` above 1 without ``rank`` is
+            refused (every process would read shard 0); fewer samples than ranks is refused
+            (:class:`InvalidArgumentError` on every rank: one would train nothing).
         window_units: row groups shuffled together (>= 1): a bigger window mixes more and
             holds more rows in memory.
 
-    Materialization:
-        dtype: the train dtype floats are cast to (``torch.bfloat16``, or a name such as
-            ``"bf16"``).
-        missing: ``"error"`` (a missing image raises :class:`MediaNotFoundError`) or
-            ``"placeholder_zero_loss"`` (a zero image, the sample kept out of the loss).
-        max_len: truncate samples to this many tokens (>= 1), whole images kept.
-
-    Caches:
-        cache_bytes: each process's cache of processed images, in bytes (0: none).
-        node_cache_bytes: the node-wide cache's bound, shared by every worker and rank of
-            the machine (:mod:`._node_cache`). ``None``: 2 GiB where a directory is usable,
-            else off; ``0`` turns it off (``node_cache_dir`` then unused).
-        node_cache_dir: where the node cache lives; ``None``: ``$MMSTORE_NODE_CACHE``, else
-            a per-user folder on ``/dev/shm``. A positive ``node_cache_bytes`` with neither
-            usable is refused.
-
-    Read-ahead (object stores, :mod:`._prefetch`):
-        prefetch_requests: media reads in flight per worker. ``None``: 16 on a remote
-            store, none on a local one; ``0`` turns read-ahead off (``prefetch_bytes`` then
-            unused).
-        prefetch_bytes: no new read starts while this many bytes wait (>= 1); ``None``:
-            64 MiB. Given where read-ahead is off by default (a local store, without
-            ``prefetch_requests``), it is refused: it would bound nothing.
+    How rows become tensors:
+        materialize: a :class:`Materialize` (dtype, missing media, truncation, caches,
+            read-ahead, the per-batch form the loaders build, the device stage); ``None``:
+            its defaults. For one release its fields are also taken as flat keywords
+            (``dtype="bf16"``), with a DeprecationWarning.
     """
 
     # What to read, in which order, cut and cast to what (the spec both streams take).
@@ -173,41 +149,25 @@ class RolloutDataset(IterableDataset[Sample]):
         rank: int | None = None,
         world_size: int | None = None,
         window_units: int = DEFAULT_WINDOW_UNITS,
-        # materialization
-        dtype: torch.dtype | str = torch.bfloat16,
-        missing: MissingPolicy = "error",
-        max_len: int | None = None,
-        # caches
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        node_cache_bytes: int | None = None,
-        node_cache_dir: str | None = None,
-        # read-ahead
-        prefetch_requests: int | None = None,
-        prefetch_bytes: int | None = None,
+        # how rows become tensors
+        materialize: Materialize | None = None,
+        **flat_settings: Any,
     ) -> None:
-        check_missing_policy(missing)
+        settings = settings_from(materialize, flat_settings, reader="RolloutDataset")
         shuffle = flag("shuffle", shuffle)
         seed = whole("seed", seed)
-        rank, world_size = _rank_and_world(rank, world_size)
+        rank, world_size = rank_and_world(rank, world_size)
         window_units = whole("window_units", window_units, minimum=1)
-        dtype = training_dtype(dtype)
-        max_len = optional_whole("max_len", max_len, minimum=1)
-        cache_bytes = whole("cache_bytes", cache_bytes, minimum=0)
-        node_directory, node_bytes = _node_cache_place(node_cache_dir, node_cache_bytes)
-        # Asked for by argument (not merely the default): refused where it cannot apply.
-        self._node_cache_asked = node_bytes > 0 and (
-            node_cache_bytes is not None or node_cache_dir is not None
-        )
-        prefetch_requests = optional_whole("prefetch_requests", prefetch_requests, minimum=0)
-        prefetch_bytes = _read_ahead_bound(store, prefetch_requests, prefetch_bytes)
         version = optional_whole("version", version, minimum=0)
+        self.materialize = settings
         self.image_processor = image_processor
         adapter = adapter_for(image_processor)
+        source = MaterializerSource.of(store, adapter, settings)
         version = agreed_version(
             store, version, world_size=world_size, what="building a RolloutDataset"
         )
         snapshot = take_snapshot(store, runs, steps, version=version)
-        _check_layouts(store, adapter, snapshot)
+        check_layouts(store, adapter, snapshot)
         self.spec = ReadSpec(
             store=store,
             snapshot=snapshot,
@@ -217,21 +177,10 @@ class RolloutDataset(IterableDataset[Sample]):
             rank=rank,
             world_size=world_size,
             window_units=window_units,
-            max_len=max_len,
-            dtype=dtype,
+            max_len=settings.max_len,
+            dtype=source.dtype,
         )
-        self.source = MaterializerSource(
-            store,
-            adapter,
-            dtype=dtype,
-            missing=missing,
-            max_len=max_len,
-            cache_bytes=cache_bytes,
-            node_cache_dir=node_directory,
-            node_cache_bytes=node_bytes,
-            prefetch_requests=prefetch_requests,
-            prefetch_bytes=prefetch_bytes,
-        )
+        self.source = source
         self.epoch = 0
         self.position = 0
 
@@ -251,7 +200,7 @@ class RolloutDataset(IterableDataset[Sample]):
         )
         if version != self.version or list(self.snapshot.files) != list(files):
             snapshot = take_snapshot(self.store, files=files, version=version)
-            _check_layouts(self.store, self.adapter, snapshot)
+            check_layouts(self.store, self.adapter, snapshot)
             self.spec = self.spec.with_snapshot(snapshot)
 
     def plan(self, epoch: int | None = None, rank: int | None = None) -> EpochPlan:
@@ -288,106 +237,21 @@ class RolloutDataset(IterableDataset[Sample]):
         return {
             "epoch": self.epoch,
             "position": self.position,
+            "sharding": SHARDING,
             "table_version": self.version,
             "files": list(self.snapshot.files),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sharding", SHARDING if self.world_size == 1 else None) != SHARDING:
+            # Saved when ranks were dealt row groups: its position names other samples here.
+            raise InvalidArgumentError(
+                f"dataset state shares ranks by {state.get('sharding') or 'row groups'!r}, "
+                f"this dataset by {SHARDING!r} ({self.world_size} ranks): its position would "
+                "skip or repeat samples; start its epoch over (set .epoch, position 0)"
+            )
         self.use_snapshot(state["files"], state.get("table_version"))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# Differences and files a layout mismatch names (the count says how many there are).
-SHOWN = 3
-
-
-def _check_layouts(store: Store, adapter: Family, snapshot: Snapshot) -> None:
-    """Refuse a snapshot whose files were laid out for another processor, naming the runs."""
-    refuse_other_layouts(
-        store,
-        adapter,
-        fingerprints_by_file(store, snapshot),
-        video_fingerprints_by_file(store, snapshot),
-    )
-
-
-def refuse_other_layouts(
-    store: Store,
-    adapter: Family,
-    images: dict[str, set[str]],
-    videos: dict[str, set[str]],
-) -> None:
-    """Refuse, before any worker starts, files whose images (``images``: fingerprint ->
-    files) or videos were laid out by another processor, naming the runs and first files."""
-    _refuse_video_layouts(adapter, videos)
-    wrong = {fp: files for fp, files in images.items() if fp != adapter.fingerprint}
-    if not wrong:
-        return
-    runs = {fp: {partition_of(f)[0] for f in files} for fp, files in wrong.items()}
-    files = sorted({f for files in wrong.values() for f in files})
-    stored = recorded_layouts(store, files)
-    mine = adapter.layout.params()
-    listing = "; ".join(
-        f"runs {sorted(runs[fp])}: {_layout_diff(stored.get(fp), mine)}"
-        for fp in sorted(wrong, key=str)
-    )
-    raise LayoutMismatchError(
-        f"the processor lays images out differently from how they were stored "
-        f"(stored vs processor) in {listing}. Build the image processor with the stored "
-        "parameters, or select other runs (runs=...)",
-        runs=sorted({r for rs in runs.values() for r in rs}),
-        # the first few files: a long run would fill a screen with paths
-        files=files[:SHOWN],
-        num_files=len(files),
-    )
-
-
-def _refuse_video_layouts(adapter: Family, found: dict[str, set[str]]) -> None:
-    """Refuse videos laid out by another video processor (or videos where the processor
-    has none)."""
-    video = video_half(adapter) if found else None
-    wrong = {fp: files for fp, files in found.items() if video is None or fp != video.fingerprint}
-    if not wrong:
-        return
-    files = sorted({f for fs in wrong.values() for f in fs})
-    runs = sorted({partition_of(f)[0] for f in files})
-    mine = "has no video processor" if video is None else f"lays videos out as {video.fingerprint}"
-    raise LayoutMismatchError(
-        f"rows hold videos laid out as {sorted(wrong)}; the processor {mine}. Pass the full "
-        "processor (with its video_processor) the rollouts were written with, or select "
-        "other runs (runs=...)",
-        runs=runs,
-        files=files[:SHOWN],
-        num_files=len(files),
-    )
-
-
-def _node_cache_place(directory: str | None, capacity: Any) -> tuple[str | None, int]:
-    """Where the node cache lives and its bound in bytes (0: off)."""
-    capacity = optional_whole("node_cache_bytes", capacity, minimum=0)
-    where = directory or default_directory()
-    if capacity is None:
-        return where, DEFAULT_NODE_CACHE_BYTES if where else 0
-    if capacity and not where:
-        raise InvalidArgumentError(
-            f"node_cache_bytes={capacity} needs a directory: pass node_cache_dir (there is "
-            "no writable /dev/shm here and $MMSTORE_NODE_CACHE is unset)"
-        )
-    return where, capacity
-
-
-def _read_ahead_bound(store: Store, requests: int | None, bound: Any) -> int:
-    """The read-ahead's byte bound, refused where it would bound nothing."""
-    if bound is None:
-        return DEFAULT_PREFETCH_BYTES
-    bound = whole("prefetch_bytes", bound, minimum=1)
-    if requests is None and default_requests(store) == 0:
-        raise InvalidArgumentError(
-            f"prefetch_bytes={bound} bounds nothing: a local store reads without read-ahead; "
-            "pass prefetch_requests (reads in flight) to read ahead here, or drop "
-            "prefetch_bytes"
-        )
-    return bound
 
 
 class _BatchStream(IterableDataset[dict[str, Any]]):
@@ -492,18 +356,20 @@ class RolloutLoader:
     batch handed out (a plain ``DataLoader`` would start the epoch over); call
     ``set_epoch`` with another epoch, or build a new loader, to start afresh.
 
-    Ranks get whole row groups, so their batch counts can differ by a few. FSDP/DDP hang
-    when one rank runs a step the others don't: ``even_ranks=True`` stops every rank after
-    the fewest batches any rank has (computed from metadata), dropping the surplus of that
-    epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every sample.
+    Ranks' shares differ by at most one sample, so their batch counts by at most one; FSDP/DDP
+    hang when one rank runs a step the others don't: ``even_ranks=True`` stops every rank
+    after the fewest batches any rank has (computed from metadata), dropping the surplus of
+    that epoch, as ``DistributedSampler(drop_last=True)`` does; the default keeps every
+    sample. ``len(loader)`` is what the rank yields in an epoch, the same in every epoch.
 
     **Packed** (``max_tokens=T``): the loader yields micro-batches of at most ``T`` tokens
-    instead of padded batches (see :mod:`._microbatch` for what one holds). A step is
+    instead of padded batches (see :mod:`.microbatch` for what one holds). A step is
     ``batch_size`` samples per rank: positions ``[s*B*W, (s+1)*B*W)`` of the epoch's global
     order, packed all ranks together and dealt token-balanced, every rank the same
-    ``num_micro`` (see :mod:`._pack`). Every sample appears once per epoch on one rank; the
-    plan comes from footers and small columns only, identically on every rank; ``state_dict``
-    counts micro-batches, so a resume is exact at any micro-batch, any ``num_workers``.
+    ``num_micro`` (see :mod:`mmstore._planning.pack`). Every sample appears once per epoch
+    on one rank; the plan comes from footers and small columns only, identically on every
+    rank; ``state_dict`` counts micro-batches, so a resume is exact at any micro-batch, any
+    ``num_workers``.
     A sample longer than the budget is refused when the epoch is planned
     (:class:`SampleTooLongError`); ``max_len`` truncates first (whole images kept).
 
@@ -524,7 +390,7 @@ class RolloutLoader:
 
     **Each distinct image once** (``distinct_images=True``, plain or packed): a batch whose
     samples share an image (a GRPO group's) holds its tensors once, plus ``image_index`` and
-    ``image_rows`` (see :mod:`._distinct`); :func:`mmstore.expand_images` turns it into the
+    ``image_rows`` (see :mod:`.distinct`); :func:`mmstore.expand_images` turns it into the
     plain batch the model takes, best on the GPU after ``.to(device)``: workers then copy,
     and the trainer moves, each image once per batch, and the trainer may also run the
     vision tower once per distinct image and gather its features with ``image_index``.
@@ -542,12 +408,12 @@ class RolloutLoader:
         drop_last: drop the epoch's last, short batch (padded batches only).
         even_ranks: every rank stops after the fewest batches any rank has (padded batches
             only: packed steps are already in lock-step, every rank the same ``num_micro``).
-        dummy_image: a batch without images gets one tiny zero image out of the loss, so
-            every FSDP rank runs the vision tower (padded batches only: the packing plan
-            gives such micro-batches their dummy image by itself).
-        pad_token_id: the token padding is filled with (>= 0); ``None``: the family's.
         max_tokens: pack micro-batches of at most this many tokens instead of padding.
-        distinct_images: each distinct image once per batch, plus ``image_index``.
+
+    The form of a batch (``pad_token_id``, ``dummy_image``, ``distinct_images``) and the
+    device stage (``preprocess_device``) are the dataset's :class:`Materialize` settings.
+    For one release they are also taken here as flat keywords (with a DeprecationWarning),
+    applied over the dataset's.
 
     Workers (torch ``DataLoader``'s names and meanings):
         num_workers: worker processes (>= 0); 0 builds batches in this process.
@@ -559,10 +425,6 @@ class RolloutLoader:
             ``"forkserver"`` or a context; workers only).
         worker_threads: torch threads per worker (>= 1; workers only); more than one needs
             ``"spawn"`` or ``"forkserver"``.
-
-    Device stage:
-        preprocess_device: run the image processor on this device in the main process
-            (see above); the dataset's node cache must then be off or left to its default.
     """
 
     def __init__(
@@ -574,27 +436,30 @@ class RolloutLoader:
         # batching
         drop_last: bool = False,
         even_ranks: bool = False,
-        dummy_image: bool = False,
-        pad_token_id: int | None = None,
         max_tokens: int | None = None,
-        distinct_images: bool = False,
         # workers (torch DataLoader's names)
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
         timeout: float = 0,
         multiprocessing_context: Any = None,
         worker_threads: int | None = None,
-        # device stage
-        preprocess_device: str | torch.device | None = None,
+        **flat_settings: Any,
     ) -> None:
         self.dataset = dataset
+        self.materialize = settings = settings_from(
+            None,
+            flat_settings,
+            reader="RolloutLoader",
+            base=dataset.materialize,
+            accepted=PER_LOADER,
+        )
         self.batch_size = whole("batch_size", batch_size, minimum=1)
         self.drop_last = flag("drop_last", drop_last)
         self.even_ranks = flag("even_ranks", even_ranks)
-        self.dummy_image = flag("dummy_image", dummy_image)
-        self.pad_token_id = optional_whole("pad_token_id", pad_token_id, minimum=0)
+        self.dummy_image = settings.dummy_image
+        self.pad_token_id = settings.pad_token_id
         self.max_tokens = optional_whole("max_tokens", max_tokens, minimum=1)
-        self.distinct_images = flag("distinct_images", distinct_images)
+        self.distinct_images = settings.distinct_images
         self._refuse_padded_options_when_packed()
         self.num_workers = whole("num_workers", num_workers, minimum=0)
         self.prefetch_factor = optional_whole("prefetch_factor", prefetch_factor, minimum=1)
@@ -610,7 +475,8 @@ class RolloutLoader:
         )
         self.epoch = dataset.epoch
         self.batches_yielded = 0
-        self._device_stage = self._device_stage_for(preprocess_device)
+        self._refuse_an_empty_epoch()
+        self._device_stage = self._device_stage_for(settings.preprocess_device)
         self.preprocess_device = None if self._device_stage is None else self._device_stage.device
         # Chosen once: workers process images, or only decode them for the device stage.
         self._source = dataset.source if self._device_stage is None else dataset.source.deferred()
@@ -620,14 +486,21 @@ class RolloutLoader:
         if device is None:
             return None
         found = check_device(device, self.dataset.adapter)
-        if self.dataset._node_cache_asked:
-            raise InvalidArgumentError(
-                "the dataset's node_cache_bytes/node_cache_dir do not apply with "
-                f"preprocess_device={str(found)!r}: workers only decode images, so nothing "
-                "is processed for the node cache to share; build the dataset with "
-                "node_cache_bytes=0, or without preprocess_device"
-            )
         return DevicePreprocessor(self.dataset.adapter, found, self.dataset.dtype)
+
+    def _refuse_an_empty_epoch(self) -> None:
+        """``drop_last`` with a share smaller than a batch trains nothing on some rank:
+        refused on every rank (the smallest share decides), never silently."""
+        if not self.drop_last:
+            return
+        spec = self.dataset.spec
+        smallest = spec.plan(self.epoch, rank=spec.world_size - 1).num_samples
+        if smallest < self.batch_size:
+            raise InvalidArgumentError(
+                f"drop_last=True with batch_size={self.batch_size} drops every sample of a "
+                f"rank whose share is {smallest} sample(s) ({spec.world_size} rank(s)): "
+                "lower batch_size, or drop drop_last"
+            )
 
     def _refuse_padded_options_when_packed(self) -> None:
         """Packed micro-batches have their own rules for what these options do for padded
@@ -693,17 +566,17 @@ class RolloutLoader:
         self.batches_yielded = 0
 
     def __len__(self) -> int:
-        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks);
-        packed: micro-batches, the same number on every rank."""
+        """Batches of the current epoch on this rank (the fewest of any rank if even_ranks),
+        exactly what iterating it from the epoch's start yields; the same in every epoch (a
+        rank's share of samples does not change). Packed: micro-batches, the same number on
+        every rank."""
         planner = self._packed()
         if planner is not None:
             return len(planner.plan(self.epoch)[0])
         spec = self.dataset.spec
-        ranks = range(spec.world_size) if self.even_ranks else [spec.rank]
-        return min(
-            spec.plan(self.epoch, rank=r).num_batches(self.batch_size, self.drop_last)
-            for r in ranks
-        )
+        # Shares differ by at most one sample, the last rank's is the smallest.
+        rank = spec.world_size - 1 if self.even_ranks else spec.rank
+        return spec.plan(self.epoch, rank=rank).num_batches(self.batch_size, self.drop_last)
 
     def _packed(self) -> PackedPlanner | None:
         """The packed planner of the dataset's current snapshot (a resume may replace it)."""
@@ -782,7 +655,7 @@ class RolloutLoader:
             self._start_epoch(self.epoch + 1)
 
     def _batch_buffers(self) -> BatchBuffers | None:
-        """Reusable shared memory for the workers' batches (:mod:`._buffers`): forked
+        """Reusable shared memory for the workers' batches (:mod:`.buffers`): forked
         workers only (they inherit the table of flags it shares)."""
         return batch_buffers(
             self.num_workers, start_method(self.multiprocessing_context), self.prefetch_factor
@@ -799,7 +672,34 @@ class RolloutLoader:
             "max_tokens": self.max_tokens,
             # the plan's lengths are after truncation: a packed resume needs the same max_len
             **({"max_len": spec.max_len} if self.max_tokens is not None else {}),
+            # how padded batches share the epoch by rank (packed: every rank plans it all)
+            **({"sharding": SHARDING} if self.max_tokens is None else {}),
         }
+
+    def _comparable(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` as this version records it. A padded state saved before ranks shared
+        the epoch by samples (state versions 1 and 2: row groups dealt round-robin) names
+        the same batches only with one rank: it gains the sharding there, and is refused
+        with more (its position would name other samples: some trained twice, some never).
+        """
+        if (
+            "sharding" in state
+            or self.max_tokens is not None
+            or state.get("max_tokens") is not None
+        ):
+            return state
+        if state.get("world_size") == 1:
+            return {**state, "sharding": SHARDING}
+        raise InvalidArgumentError(
+            f"loader state version {state.get('version')!r} was taken when ranks were dealt "
+            f"row groups ({state.get('world_size')!r} ranks); ranks now share each epoch by "
+            "samples, so its position would skip or repeat samples on this rank. Start its "
+            "epoch over instead: a new loader and set_epoch(state['epoch']) (that epoch's "
+            "batches already trained are trained again), or finish the epoch with the mmstore "
+            "that saved the state",
+            version=state.get("version"),
+            world_size=state.get("world_size"),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epoch, batches yielded, the order settings, and the
@@ -820,6 +720,7 @@ class RolloutLoader:
             raise InvalidArgumentError(
                 f"loader state version {state.get('version')!r} is not supported"
             )
+        state = self._comparable(state)
         fixed = self._order_settings()
         differ = {k: (state.get(k), v) for k, v in fixed.items() if state.get(k) != v}
         if differ:
@@ -830,57 +731,3 @@ class RolloutLoader:
         self.dataset.use_snapshot(state["files"], state.get("table_version"))
         self.epoch = int(state["epoch"])
         self.batches_yielded = int(state["batches_yielded"])
-
-
-def _layout_diff(stored: dict[str, Any] | None, mine: dict[str, Any]) -> str:
-    """``family differs (a vs b)``, or ``2 parameters differ: patch_size 14 vs 16, …`` (the
-    first few): what tells a user which processor to build, not every field."""
-    if stored is None:
-        return "a layout their footers do not record"
-    if stored.get("family") != mine.get("family"):
-        return f"family differs ({stored.get('family')} vs {mine.get('family')})"
-    keys = sorted(stored.keys() | mine.keys())
-    differ = [f"{k} {stored.get(k)} vs {mine.get(k)}" for k in keys if stored.get(k) != mine.get(k)]
-    if not differ:
-        return "the same parameters under another fingerprint"
-    more = f" and {len(differ) - SHOWN} more" if len(differ) > SHOWN else ""
-    return f"{len(differ)} parameter(s) differ: {', '.join(differ[:SHOWN])}{more}"
-
-
-def _rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
-    """This process's shard: as given, or from ``torch.distributed`` when both are None."""
-    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    world = whole("world_size", 1 if world_size is None else world_size, minimum=1)
-    if rank is None and world > 1:
-        raise InvalidArgumentError(
-            f"world_size={world} without rank: every process would read rank 0's share; "
-            "pass rank too, or neither (to take both from torch.distributed)"
-        )
-    shard = whole("rank", 0 if rank is None else rank, minimum=0)
-    if shard >= world:
-        raise InvalidArgumentError(f"rank {shard} is outside world_size {world}")
-    return shard, world
-
-
-# Short names people write for the training dtype, beside torch's own attribute names.
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
-
-
-def training_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A floating torch dtype from a dtype or its name (``"bfloat16"``, ``"torch.float16"``,
-    ``"bf16"``); anything else raises :class:`InvalidArgumentError`."""
-    if isinstance(dtype, str):
-        name = dtype.strip().lower().removeprefix("torch.")
-        found = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
-        if not isinstance(found, torch.dtype):
-            raise InvalidArgumentError(
-                f"dtype {dtype!r} names no torch dtype; pass torch.bfloat16 or a name such as "
-                "'bfloat16', 'float16', 'float32' (or 'bf16', 'fp16', 'fp32')"
-            )
-        dtype = found
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InvalidArgumentError(
-            f"dtype must be a floating torch dtype (pixel_values are cast to it), got {dtype!r}"
-        )
-    return dtype

@@ -121,7 +121,7 @@ def collate_images(
     padded batches and packed micro-batches alike.
 
     ``distinct_images``: each image object once, with ``image_index`` and ``image_rows``
-    (:mod:`._distinct`; the device stage adds the rows of the images it processes).
+    (:mod:`.distinct`; the device stage adds the rows of the images it processes).
     """
     if not images:
         return no_images(family, distinct_images)

@@ -26,11 +26,14 @@ from typing import Any
 
 import torch
 
-INDEX_KEY = "image_index"
-ROWS_KEY = "image_rows"
+from mmstore._loading.batch_keys import IMAGE_INDEX, IMAGE_ROWS, VIDEO_INDEX, VIDEO_ROWS
+
+# The keys, declared with the batch's others in :mod:`.batch_keys`.
+INDEX_KEY = IMAGE_INDEX.name
+ROWS_KEY = IMAGE_ROWS.name
 # The same for a batch's videos: a GRPO group's shared clip carried once.
-VIDEO_INDEX_KEY = "video_index"
-VIDEO_ROWS_KEY = "video_rows"
+VIDEO_INDEX_KEY = VIDEO_INDEX.name
+VIDEO_ROWS_KEY = VIDEO_ROWS.name
 
 
 def distinct(images: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:

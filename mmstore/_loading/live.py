@@ -33,23 +33,15 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from mmstore._families import Family, adapter_for
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
-from mmstore._loading.dataset import (
-    _node_cache_place,
-    _rank_and_world,
-    _read_ahead_bound,
-    refuse_other_layouts,
-    training_dtype,
-)
+from mmstore._loading.layouts import refuse_other_layouts
 from mmstore._loading.materialize import (
-    DEFAULT_CACHE_BYTES,
     Materialized,
-    MissingPolicy,
-    check_missing_policy,
 )
 from mmstore._loading.microbatch import pack, packed_input_names
-from mmstore._loading.options import flag, optional_whole, whole
+from mmstore._loading.options import optional_whole, seconds, whole
 from mmstore._loading.packed import UnitReader
 from mmstore._loading.prefetch import default_requests
+from mmstore._loading.settings import FIELDS, Materialize, rank_and_world, settings_from
 from mmstore._loading.spec import MaterializerSource
 from mmstore._loading.workers import (
     RAISED,
@@ -65,12 +57,16 @@ from mmstore._rows.check import Sample
 from mmstore._rows.follow import Cursor, FollowedFile, LogFollower
 from mmstore._rows.snapshot import WorkUnit
 from mmstore._rows.store import Store
+from mmstore._rows.versions import table_of
 from mmstore.errors import (
     GroupTooLarge,
     InvalidArgumentError,
+    LiveFinishedError,
     LiveTimeoutError,
     MmstoreError,
     SampleTooLongError,
+    TableVersionError,
+    WorkerDiedError,
 )
 
 STATE_KIND = "mmstore.LiveLoader"
@@ -246,10 +242,9 @@ class LiveLoader:
         rank, world_size: as for :class:`RolloutDataset` (from ``torch.distributed`` when
             initialized). Ranks compute each step from the log alone, without talking.
 
-    Materialization and caches: ``dtype``, ``missing``, ``max_len``, ``cache_bytes``,
-    ``node_cache_bytes``, ``node_cache_dir``, ``prefetch_requests``, ``prefetch_bytes`` as
-    for :class:`RolloutDataset`; ``pad_token_id``, ``distinct_images``, ``dummy_image``
-    (padded only) as for :class:`RolloutLoader`.
+    How rows become tensors: ``materialize``, a :class:`Materialize` as for
+    :class:`RolloutDataset` (``dummy_image`` applies to padded steps only; for one release
+    its fields are also taken as flat keywords, with a DeprecationWarning).
 
     Workers: ``num_workers`` persistent DataLoader workers (0: build in this process),
     ``prefetch_factor``, ``multiprocessing_context``. ``poll_interval``: seconds between
@@ -269,32 +264,23 @@ class LiveLoader:
         max_staleness: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        # materialization
-        dtype: torch.dtype | str = torch.bfloat16,
-        missing: MissingPolicy = "error",
-        max_len: int | None = None,
-        pad_token_id: int | None = None,
-        distinct_images: bool = False,
-        dummy_image: bool = False,
-        # caches and read-ahead
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        node_cache_bytes: int | None = None,
-        node_cache_dir: str | None = None,
-        prefetch_requests: int | None = None,
-        prefetch_bytes: int | None = None,
+        # how rows become tensors
+        materialize: Materialize | None = None,
         # workers and waiting
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         multiprocessing_context: Any = None,
         poll_interval: float | None = None,
+        **flat_settings: Any,
     ) -> None:
-        check_missing_policy(missing)
+        settings = settings_from(materialize, flat_settings, reader="LiveLoader")
+        self.materialize = settings
         self.store = store
         self.batch_size = whole("batch_size", batch_size, minimum=1)
         self.max_tokens = optional_whole("max_tokens", max_tokens, minimum=1)
         self.max_staleness = optional_whole("max_staleness", max_staleness, minimum=0)
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.max_len = optional_whole("max_len", max_len, minimum=1)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
+        self.max_len = settings.max_len
         self.num_workers = whole("num_workers", num_workers, minimum=0)
         if not self.num_workers and (prefetch_factor is not None or multiprocessing_context):
             raise InvalidArgumentError(
@@ -302,34 +288,21 @@ class LiveLoader:
             )
         self.prefetch_factor = optional_whole("prefetch_factor", prefetch_factor, minimum=1)
         self.multiprocessing_context = check_context(multiprocessing_context)
-        if dummy_image and self.max_tokens is not None:
+        if settings.dummy_image and self.max_tokens is not None:
             raise InvalidArgumentError(
                 "dummy_image applies to padded batches; packed micro-batches add the dummy "
                 "image where another rank's micro-batch has images"
             )
         self.adapter = adapter_for(image_processor)
-        dtype = training_dtype(dtype)
-        node_dir, node_bytes = _node_cache_place(node_cache_dir, node_cache_bytes)
-        prefetch_requests = optional_whole("prefetch_requests", prefetch_requests, minimum=0)
-        source = MaterializerSource(
-            store,
-            self.adapter,
-            dtype=dtype,
-            missing=missing,
-            max_len=self.max_len,
-            cache_bytes=whole("cache_bytes", cache_bytes, minimum=0),
-            node_cache_dir=node_dir,
-            node_cache_bytes=node_bytes,
-            prefetch_requests=prefetch_requests,
-            prefetch_bytes=_read_ahead_bound(store, prefetch_requests, prefetch_bytes),
-        )
+        # Its workers build whole micro-batches: no device stage in this process (yet).
+        settings.refuse_all_but(FIELDS - {"preprocess_device"}, reader="LiveLoader")
         self._work = _MicroBatches(
             store,
-            source,
+            MaterializerSource.of(store, self.adapter, settings),
             packed=self.max_tokens is not None,
-            pad_token_id=optional_whole("pad_token_id", pad_token_id, minimum=0),
-            distinct_images=flag("distinct_images", distinct_images),
-            dummy_image=flag("dummy_image", dummy_image),
+            pad_token_id=settings.pad_token_id,
+            distinct_images=settings.distinct_images,
+            dummy_image=settings.dummy_image,
         )
         self._local = not default_requests(store)  # object stores read ahead by default
         if poll_interval is None:
@@ -353,6 +326,7 @@ class LiveLoader:
             self._budget = budget_for(self.max_tokens, dummy, any_images=True)
         self._tasks = _Tasks()
         self._loader: DataLoader[dict[str, Any]] | None = None
+        self._id: str | None = None  # the table's, read when a state is first taken or loaded
         self._start(Cursor(0, 0, 0), step=0, stats=_new_stats())
 
     @property
@@ -364,8 +338,16 @@ class LiveLoader:
 
     # -- position ------------------------------------------------------------------------
 
-    def _start(self, cursor: Cursor, *, step: int, stats: dict[str, int]) -> None:
+    def _start(
+        self,
+        cursor: Cursor,
+        *,
+        step: int,
+        stats: dict[str, int],
+        finished: Iterable[str] = (),
+    ) -> None:
         self._follower = LogFollower(self.store, self._runs, start=cursor, max_len=self.max_len)
+        self._finished = set(finished)  # runs whose final commit has been followed
         self._waiting: list[_Group] = []
         self._unchecked: deque[FollowedFile] = deque()  # read from the log, not yet checked
         self.step = step
@@ -383,7 +365,8 @@ class LiveLoader:
 
     def stats(self) -> dict[str, int]:
         """Counts since the run began (restored from a state): steps, samples trained (all
-        ranks), stale groups and samples not trained, groups waiting now."""
+        ranks), stale groups and samples not trained, samples removed from the table (a
+        released run) before they were trained, groups waiting now."""
         return {**self._stats, "waiting_groups": len(self._waiting)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -394,6 +377,8 @@ class LiveLoader:
             "version": STATE_VERSION,
             "step": self.step,
             "cursor": self.cursor.as_list(),
+            "table": self._table_id(),
+            "finished_runs": sorted(self._finished),
             **self._settings(),
             "stats": dict(self._stats),
         }
@@ -406,19 +391,67 @@ class LiveLoader:
             raise InvalidArgumentError(
                 f"LiveLoader state version {state.get('version')!r} is not supported"
             )
-        differ = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
-        if differ:
-            raise InvalidArgumentError(
-                "LiveLoader state was taken with other settings (saved, current): "
-                + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in differ.items())
-            )
+        self._check_settings(state)
         stats = state.get("stats")
-        if not isinstance(stats, dict) or set(stats) != set(_new_stats()):
+        # removed_samples came later: a state from before it has counted none.
+        if not isinstance(stats, dict) or not set(_new_stats()) - {"removed_samples"} <= set(
+            stats
+        ) <= set(_new_stats()):
             raise InvalidArgumentError("LiveLoader state has no valid stats")
         step = whole("step", state.get("step"), minimum=0)
         cursor = Cursor.from_state(state.get("cursor"))
+        self._check_same_table(state.get("table"), cursor)
+        stats = {**_new_stats(), **stats}
+        finished = state.get("finished_runs", [])
+        if not isinstance(finished, list) or not set(finished) <= set(self._runs):
+            raise InvalidArgumentError(f"LiveLoader state has invalid finished_runs {finished!r}")
         self._follower.close()
-        self._start(cursor, step=step, stats=dict(stats))
+        self._start(cursor, step=step, stats=dict(stats), finished=finished)
+
+    def _table_id(self) -> str | None:
+        if self._id is None:
+            self._id = table_of(self.store).table_id()
+        return self._id
+
+    def _check_same_table(self, saved: Any, cursor: Cursor) -> None:
+        """Refuse a state of another table (its cursor would skip or repeat this table's
+        rows) or one whose position lies beyond this table's log."""
+        mine = self._table_id()
+        if saved is not None and mine is not None and saved != mine:
+            raise InvalidArgumentError(
+                f"LiveLoader state was taken from another table (id {saved}); this store's "
+                f"table is {mine}: load a state of this store, or start afresh"
+            )
+        if cursor.version == 0:
+            return
+        table = table_of(self.store)
+        try:
+            before = table.log_entry(cursor.version - 1)
+        except TableVersionError:  # cleaned up below a checkpoint: it was committed
+            return
+        if before is None:
+            raise InvalidArgumentError(
+                f"LiveLoader state's position (table version {cursor.version}) lies beyond "
+                "this table's log: it was taken from another store"
+            )
+
+    def _check_settings(self, state: dict[str, Any]) -> None:
+        """Refuse a state of other runs: rows of a run added since were passed by its cursor
+        (they would never be trained). Everything else only shapes the steps still to come,
+        so it may change at a resume: the remedy an error names (``max_len``, a larger
+        ``batch_size``) must be usable on the run that raised it."""
+        if state.get("runs") != sorted(self._runs):
+            raise InvalidArgumentError(
+                f"LiveLoader state follows runs {state.get('runs')!r}, this loader "
+                f"{sorted(self._runs)!r}: the state's position passed rows of the others; "
+                "follow the same runs (another set starts afresh)"
+            )
+        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
+        if changed:
+            log.info(
+                "resuming with settings changed for the steps to come (saved -> now): %s",
+                ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+            )
 
     def _settings(self) -> dict[str, Any]:
         """What decides each step's samples and micro-batches (a state must agree)."""
@@ -441,10 +474,13 @@ class LiveLoader:
         this rank. The step counts as consumed once the last one has been yielded.
 
         ``policy_version``: the policy this step trains (bounds staleness with
-        ``max_staleness``; None: no group is stale).
+        ``max_staleness``; None: no group is stale). ``timeout``: a finite number of
+        seconds >= 0 (None: wait without a limit).
         """
         if policy_version is not None:
             policy_version = whole("policy_version", policy_version, minimum=0)
+        if timeout is not None:
+            timeout = seconds("timeout", timeout)
         oldest = None
         if self.max_staleness is not None and policy_version is not None:
             oldest = policy_version - self.max_staleness
@@ -460,6 +496,13 @@ class LiveLoader:
             take = self._take(oldest)
             if take is not None:
                 return take
+            if self._all_finished and not self._waiting and not self._unchecked:
+                raise LiveFinishedError(
+                    f"every followed run is finished (runs {sorted(self._runs)}) and every "
+                    f"sample consumed: no step {self.step}",
+                    runs=sorted(self._runs),
+                    step=self.step,
+                )
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 waiting = sum(g.size for g in self._waiting)
@@ -475,12 +518,27 @@ class LiveLoader:
             )
 
     @property
+    def _all_finished(self) -> bool:
+        """Every followed run's final commit followed: nothing more will come."""
+        return self._finished >= set(self._runs)
+
+    @property
+    def finished(self) -> bool:
+        """Every followed run's final commit has been followed and every sample consumed:
+        :meth:`next_step` then raises :class:`LiveFinishedError`."""
+        self._follow()
+        return self._all_finished and not self._waiting and not self._unchecked
+
+    @property
     def _target(self) -> int:
         return self.batch_size * self.world_size
 
     def _follow(self) -> None:
         """Add the groups of every file committed to the followed runs since last time."""
-        self._unchecked.extend(self._follower.poll())
+        polled = self._follower.poll()
+        if polled.removed:
+            self._drop_removed(polled.removed)
+        self._unchecked.extend(polled.files)
         while self._unchecked:
             # A file laid out for another processor raises here, and again on every call:
             # it stays first in line, never skipped (its rows would be lost to a resume).
@@ -494,13 +552,32 @@ class LiveLoader:
                 {fp: {path} for fp in facts.video_layouts},
             )
             self._waiting.extend(_groups_of(followed))
+            if followed.final:
+                self._finished.add(followed.file.run_id)
             self._unchecked.popleft()
+
+    def _drop_removed(self, removed: frozenset[str]) -> None:
+        """Forget waiting rows of files the table no longer holds (a released run): they are
+        never trained, and counted."""
+        gone = [g for g in self._waiting if g.file.file.path in removed]
+        gone_files = [f for f in self._unchecked if f.file.path in removed]
+        if not gone and not gone_files:
+            return
+        self._waiting = [g for g in self._waiting if g.file.file.path not in removed]
+        self._unchecked = deque(f for f in self._unchecked if f.file.path not in removed)
+        samples = sum(g.size for g in gone) + sum(
+            len(f.facts.lengths) - f.first_row for f in gone_files
+        )
+        self._stats["removed_samples"] += samples
+        log.debug("%d waiting sample(s) removed from the table before training", samples)
 
     def _take(self, oldest: int | None) -> StepTake | None:
         sizes = np.fromiter((g.size for g in self._waiting), np.int64, len(self._waiting))
         policies = np.fromiter((g.policy for g in self._waiting), np.int64, len(self._waiting))
         try:
-            return take_step(sizes, policies, target=self._target, oldest=oldest)
+            return take_step(
+                sizes, policies, target=self._target, oldest=oldest, final=self._all_finished
+            )
         except GroupTooLarge as exc:
             group = self._waiting[exc.index]
             raise InvalidArgumentError(
@@ -518,8 +595,11 @@ class LiveLoader:
         for group in stale:
             log.debug("step %d: not trained, stale: %s", self.step, group.describe())
         self._tasks.tasks = self._plan(groups)
-        loader = self._dataloader()
-        for built in loader:
+        totals = {
+            "step_samples": sum(g.size for g in groups),
+            "step_loss_tokens": sum(g.file.loss_tokens(g.start, g.stop) for g in groups),
+        }
+        for built in self._built(self._dataloader()):
             reraise(built)
             if self._work.buffers is not None:
                 self._work.buffers.track(built)
@@ -530,7 +610,10 @@ class LiveLoader:
                     stacklevel=2,
                 )
             built.update(
-                policy_version=policy_version, stale_groups=len(stale), stale_samples=stale_samples
+                policy_version=policy_version,
+                stale_groups=len(stale),
+                stale_samples=stale_samples,
+                **totals,
             )
             yield built
         # Every micro-batch of the step was handed over: it is consumed.
@@ -540,6 +623,22 @@ class LiveLoader:
         self._stats["samples"] += sum(g.size for g in groups)
         self._stats["stale_groups"] += len(stale)
         self._stats["stale_samples"] += stale_samples
+
+    def _built(self, loader: DataLoader[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The workers' micro-batches; a dead worker lets every worker go and raises
+        :class:`WorkerDiedError` (the step is not consumed: the next call replays it)."""
+        try:
+            yield from loader
+        except RuntimeError as exc:
+            if "exited unexpectedly" not in str(exc):
+                raise
+            self.close()
+            raise WorkerDiedError(
+                f"a worker of the live loader died while building step {self.step} ({exc}); "
+                "the step was not consumed: call next_step again to start new workers and "
+                "get the step again from its first micro-batch",
+                step=self.step,
+            ) from exc
 
     def _plan(self, groups: list[_Group]) -> list[MicroTask]:
         """This rank's micro-batches of a step of ``groups``."""
@@ -644,4 +743,10 @@ def _groups_of(followed: FollowedFile) -> list[_Group]:
 
 
 def _new_stats() -> dict[str, int]:
-    return {"steps": 0, "samples": 0, "stale_groups": 0, "stale_samples": 0}
+    return {
+        "steps": 0,
+        "samples": 0,
+        "stale_groups": 0,
+        "stale_samples": 0,
+        "removed_samples": 0,
+    }

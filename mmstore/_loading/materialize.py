@@ -2,7 +2,7 @@
 
 Runs inside DataLoader workers. Each worker keeps a byte-bounded cache of processed images
 keyed by (hash, fingerprint), so the samples of a worker's batches process a shared image
-once. On its miss, the node-wide cache (:mod:`._node_cache`, optional) is asked next: a GRPO
+once. On its miss, the node-wide cache (:mod:`.node_cache`, optional) is asked next: a GRPO
 group's image, whose samples land in other workers and on other ranks of the machine, is
 processed once per node. Both caches sit behind the URI trust check, which runs on every
 image; media bytes are hash-checked whenever they are read, and the cached pixels are keyed
@@ -77,7 +77,7 @@ class Materializer:
         # processed tensors by (hash, fingerprint); decoded images in a DeferredMaterializer
         self.cache: ByteLRU[Any] = ByteLRU(cache_bytes)
         self.retention = WindowRetention()  # what the cache lets go once a window is done
-        self.media: Any = store  # or a Prefetcher (._prefetch): same read_media, read ahead
+        self.media: Any = store  # or a Prefetcher (.prefetch): same read_media, read ahead
         self.node_cache = node_cache
         # Everything besides hash and fingerprint that decides the pixels: the train dtype
         # and the processor's whole configuration and class (backend, normalization).

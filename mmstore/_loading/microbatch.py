@@ -6,6 +6,9 @@ rank's padding micro-batch) is a segment of its own, with its own ``sample_ids``
 loss and ``is_filler`` set. M-RoPE families get a text row (0..len-1 per segment) before their
 3 rows, ``[4, 1, T]``: transformers reads sample boundaries from that row (a position that
 does not follow its predecessor by 1 starts a new sequence), for sdpa and eager masks alike.
+
+Its keys, their dtypes and shapes are declared in :mod:`.batch_keys`; the per-sample ones are
+built there (:func:`.batch_keys.sample_fields`), as for padded batches.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from mmstore._families import Family, video_half
+from mmstore._loading.batch_keys import sample_fields
 from mmstore._loading.collate import (
     check_media_mix,
     collate_videos,
@@ -26,8 +30,6 @@ from mmstore._loading.collate import (
 from mmstore._loading.device import collate_images
 from mmstore._loading.materialize import Materialized
 from mmstore.errors import MmstoreError
-
-FILLER_ID = "<filler>"
 
 
 def packed_input_names(family: Family) -> tuple[str, ...]:
@@ -73,7 +75,8 @@ def pack(
     pad_token_id: int | None = None,
     distinct_images: bool = False,
 ) -> dict[str, Any]:
-    """One micro-batch of ``samples`` (in order), plus a filler segment when needed.
+    """One micro-batch of ``samples`` (in order), plus a filler segment when needed. The keys
+    are :func:`.batch_keys.built_keys` ``(family, "packed")``.
 
     ``add_dummy`` appends the family's zero dummy image as its own segment (another rank's
     micro-batch of this index has images). An empty micro-batch without one gets a single pad
@@ -113,7 +116,6 @@ def pack(
         ],
         dim=1,
     )
-    fill = [FILLER_ID] if filler else []
     batch: dict[str, Any] = {
         "input_ids": input_ids,
         "position_ids": pos if family.position_rows == 1 else pos[:, None, :],
@@ -132,15 +134,8 @@ def pack(
             [video for videos in segment_videos for video in videos],
             distinct_videos=distinct_images,
         ),
-        "sample_ids": [s.sample_id for s in samples] + fill,
-        "group_ids": [s.group_id for s in samples] + [None] * len(fill),
-        "is_filler": torch.tensor([False] * len(samples) + [True] * len(fill)),
-        "advantage": torch.tensor([s.advantage for s in samples] + [0.0] * len(fill)),
-        "reward": torch.tensor([s.reward for s in samples] + [0.0] * len(fill)),
-        "prompt_lens": torch.tensor([s.prompt_len for s in samples] + [0] * len(fill)),
+        **sample_fields(samples, fillers=int(filler)),
         "num_real_tokens": sum(lengths[: len(samples)]),
-        "images_missing": sum(1 for s in samples if s.missing_uris),
-        "missing_uris": [uri for s in samples for uri in s.missing_uris],
         "dummy_image": add_dummy,
     }
     if samples and all(s.logprobs is not None for s in samples):

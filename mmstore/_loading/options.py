@@ -4,11 +4,11 @@ it got, so a typo or a wrong type fails at construction rather than in a worker 
 from __future__ import annotations
 
 import operator
-from numbers import Real
 from typing import Any
 
 import numpy as np
 
+from mmstore._arguments import seconds as seconds  # durations: shared with the lifecycle
 from mmstore.errors import InvalidArgumentError
 
 
@@ -34,14 +34,3 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):
         raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
     return bool(value)
-
-
-def seconds(name: str, value: Any) -> float:
-    """``value`` as a non-negative number of seconds."""
-    refusal = f"{name} must be a number of seconds >= 0, got {value!r}"
-    if isinstance(value, bool | np.bool_) or not isinstance(value, Real):
-        raise InvalidArgumentError(refusal)
-    number = float(value)
-    if not number >= 0:  # NaN too
-        raise InvalidArgumentError(refusal)
-    return number

@@ -2,13 +2,13 @@
 micro-batches.
 
 :class:`PackedPlanner` turns a :class:`.spec.ReadSpec` (snapshot, order settings) into this
-rank's :class:`RankPlan` for an epoch (from row metadata only, see :mod:`._rowmeta` and
-:mod:`._pack`), refusing a sample longer than the budget by name. :class:`PackedStream`
-builds micro-batches ``start + w, start + w + n, …`` in DataLoader worker ``w`` of ``n``, so
-DataLoader's round robin yields them in plan order for any number of workers, and a resume
-at micro-batch ``k`` only needs ``start = k``; its samples come from the
-:class:`.spec.MaterializerSource` the loader chose (plain, or decoded only for the device
-stage).
+rank's :class:`RankPlan` for an epoch (from row metadata only, see :mod:`mmstore._rows.lengths`
+and :mod:`mmstore._planning.pack`), refusing a sample longer than the budget by name.
+:class:`PackedStream` builds micro-batches ``start + w, start + w + n, …`` in DataLoader
+worker ``w`` of ``n``, so DataLoader's round robin yields them in plan order for any number
+of workers, and a resume at micro-batch ``k`` only needs ``start = k``; its samples come
+from the :class:`.spec.MaterializerSource` the loader chose (plain, or decoded only for the
+device stage).
 """
 
 from __future__ import annotations

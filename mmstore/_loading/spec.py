@@ -29,7 +29,8 @@ from mmstore._loading.device import DeferredMaterializer
 from mmstore._loading.materialize import Materialized, Materializer, MissingPolicy
 from mmstore._loading.node_cache import NodeCache
 from mmstore._loading.prefetch import Prefetcher, prefetcher_for
-from mmstore._planning.order import EpochPlan, block_permutation
+from mmstore._loading.settings import Materialize, training_dtype
+from mmstore._planning.order import EpochPlan, block_permutation, check_shares
 from mmstore._rows.snapshot import Snapshot, read_units
 from mmstore._rows.store import Store
 
@@ -49,11 +50,22 @@ class ReadSpec:
     max_len: int | None
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        # Every rank's share must hold a sample (raised on every rank alike): a rank with
+        # none would train nothing, and with even_ranks no rank would.
+        check_shares(
+            self.snapshot.num_rows,
+            rank=self.rank,
+            world_size=self.world_size,
+            version=self.snapshot.version,
+        )
+
     def with_snapshot(self, snapshot: Snapshot) -> ReadSpec:
         return dataclasses.replace(self, snapshot=snapshot)
 
     def plan(self, epoch: int, rank: int | None = None) -> EpochPlan:
-        """This rank's (or ``rank``'s) ``epoch``, from metadata only."""
+        """This rank's (or ``rank``'s) ``epoch``, from metadata only: its contiguous,
+        sample-balanced share of the epoch order (:mod:`mmstore._planning.order`)."""
         return EpochPlan.build(
             self.snapshot,
             seed=self.seed,
@@ -97,6 +109,24 @@ class MaterializerSource:
     _built: Materializer | None = field(default=None, init=False, repr=False)
     _prefetcher: Prefetcher | None = field(default=None, init=False, repr=False)
     _built_by: int | None = field(default=None, init=False, repr=False)  # its process id
+
+    @classmethod
+    def of(cls, store: Store, adapter: Family, settings: Materialize) -> MaterializerSource:
+        """The source of ``settings`` on ``store`` (its node cache and read-ahead bound
+        resolved here: they depend on the machine and the store)."""
+        node_dir, node_bytes = settings.node_cache_place()
+        return cls(
+            store,
+            adapter,
+            dtype=training_dtype(settings.dtype),
+            missing=settings.missing,
+            max_len=settings.max_len,
+            cache_bytes=settings.cache_bytes,
+            node_cache_dir=node_dir,
+            node_cache_bytes=node_bytes,
+            prefetch_requests=settings.prefetch_requests,
+            prefetch_bytes=settings.read_ahead_bound(store),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers build their own materializer, cache and read-ahead threads; never ship the
@@ -149,29 +179,35 @@ class MaterializerSource:
     def samples(
         self, spec: ReadSpec, epoch: int, positions: Iterable[int]
     ) -> Iterator[tuple[int, Materialized]]:
-        """The samples at increasing ``positions`` of ``spec``'s ``epoch``, materialized
-        window by window (each window's rows read once, its media read ahead)."""
+        """The samples at increasing ``positions`` of this rank's share of ``spec``'s
+        ``epoch``, materialized window by window (each window's rows read once, its media
+        read ahead)."""
         plan = spec.plan(epoch)
         wanted = list(positions)
+        if wanted and not 0 <= wanted[0] <= wanted[-1] < plan.num_samples:
+            raise IndexError(f"positions {wanted[0]}..{wanted[-1]} outside the rank's share")
+        at = [plan.first + p for p in wanted]  # epoch positions
         i = 0
         materializer = self.get()
         prefetcher = self._prefetcher
         while i < len(wanted):
-            window = plan.window_of(wanted[i])
+            window = plan.window_at(at[i])
             lo, hi = plan.window_range(window)
             j = i
-            while j < len(wanted) and wanted[j] < hi:
+            while j < len(wanted) and at[j] < hi:
                 j += 1
             table = read_units(spec.store, plan.windows[window])
             order = block_permutation(
                 table.column("group_id").to_pylist(),
                 seed=spec.seed,
                 epoch=epoch,
-                rank=spec.rank,
                 window=window,
                 shuffle=spec.shuffle,
             )
-            mine = order[[p - lo for p in wanted[i:j]]]
+            # A window at either end of the share is another rank's too: only the rows of
+            # this share are taken (the others are published to the node cache as wanted
+            # elsewhere, see note_window).
+            mine = order[[p - lo for p in at[i:j]]]
             units = plan.windows[window]
             materializer.note_window(
                 table, [u.num_rows for u in units], mine, [u.neighbours for u in units]

@@ -34,7 +34,7 @@ def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     A batch leaves a worker through shared memory; concatenating there (as torch's
     default_collate does) saves one copy of the largest tensor of the batch, and
-    concatenating into a buffer the trainer is done with (:mod:`._buffers`) saves faulting
+    concatenating into a buffer the trainer is done with (:mod:`.buffers`) saves faulting
     fresh pages in.
     """
     out = None

@@ -102,7 +102,7 @@ def keep_freed_memory() -> bool:
 
 class WorkerStream(IterableDataset[dict[str, Any]]):
     """A batch stream as DataLoader workers run it: large tensors built in reusable shared
-    memory (``buffers``, :mod:`._buffers`), and an mmstore error sent to the main process
+    memory (``buffers``, :mod:`.buffers`), and an mmstore error sent to the main process
     as itself, for :func:`reraise`.
 
     DataLoader re-raises a worker's exception as ``type(exc)(traceback_text)``, which keeps

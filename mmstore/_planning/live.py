@@ -14,7 +14,8 @@ Definitions (the live loader's contract):
   next fresh group would overflow it (that group waits for the next step, which is then
   this one's complement: smaller than ``target``). A step that reaches the end of the
   waiting groups before either is not complete: it waits for more commits, and consumes
-  nothing meanwhile.
+  nothing meanwhile; unless every followed run's final commit has been followed: then the
+  waiting groups are the last, short step.
 """
 
 from __future__ import annotations
@@ -39,11 +40,18 @@ class StepTake:
 
 
 def take_step(
-    sizes: np.ndarray, policies: np.ndarray, *, target: int, oldest: int | None
+    sizes: np.ndarray,
+    policies: np.ndarray,
+    *,
+    target: int,
+    oldest: int | None,
+    final: bool = False,
 ) -> StepTake | None:
     """The next step over waiting groups of ``sizes`` samples and ``policies`` versions
-    (:data:`UNKNOWN` where unknown); None when it is not complete yet. Raises
-    :class:`GroupTooLarge` for a fresh group of more than ``target`` samples."""
+    (:data:`UNKNOWN` where unknown); None when it is not complete yet. ``final``: nothing
+    more will be committed, so the waiting groups are the last step even if they fall short
+    of ``target``. Raises :class:`GroupTooLarge` for a fresh group of more than ``target``
+    samples."""
     total = 0
     trained: list[int] = []
     stale: list[int] = []
@@ -59,6 +67,8 @@ def take_step(
         trained.append(index)
         if total == target:
             return StepTake(index + 1, tuple(trained), tuple(stale))
+    if final and (trained or stale):
+        return StepTake(len(sizes), tuple(trained), tuple(stale))
     return None
 
 

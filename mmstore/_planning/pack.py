@@ -2,7 +2,7 @@
 
 Definitions (the packed loader's contract):
 
-- **Epoch order.** Row groups are permuted by (seed, epoch) as in :mod:`._order`, but *not*
+- **Epoch order.** Row groups are permuted by (seed, epoch) as in :mod:`.order`, but *not*
   dealt to ranks: all ranks share one global sequence. It is cut in windows of
   ``window_units`` row groups; inside a window, blocks (runs of one group_id within a row
   group, i.e. a GRPO group written together) are permuted.
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmstore._planning.order import rank_units, rng
+from mmstore._planning.order import epoch_units, rng
 from mmstore._rows.snapshot import Snapshot
 
 
@@ -61,7 +61,7 @@ def epoch_order(
     blocks are sorted by (window, key), so they move only within their window.
     """
     index = {unit: i for i, unit in enumerate(snapshot.units)}
-    ranked = rank_units(snapshot, seed=seed, epoch=epoch, shuffle=shuffle, rank=0, world_size=1)
+    ranked = epoch_units(snapshot, seed=seed, epoch=epoch, shuffle=shuffle)
     units = np.fromiter((index[u] for u in ranked), dtype=np.int64, count=len(ranked))
     sizes = unit_offsets[units + 1] - unit_offsets[units]
     rows = _ranges(unit_offsets[units], sizes)

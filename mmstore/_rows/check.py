@@ -2,7 +2,7 @@
 
 Files in ``rollouts/`` may come from any Parquet engine, a copy or a rotting disk, so the
 loader (and ``verify``) re-check every row it reads, with the writer's own span rule
-(:func:`._invariants.check_spans`), before a row becomes tensors:
+(:func:`.invariants.check_spans`), before a row becomes tensors:
 
 - the file's columns are cast to the v1 types (int64 tokens, large lists, another struct
   field order read correctly) or refused naming the file (:func:`conform`);

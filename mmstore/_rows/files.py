@@ -22,15 +22,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from mmstore._format.schema import OPTIONAL_COLUMNS, PARTITION_FIELDS, ROLLOUT_SCHEMA
+from mmstore._format.paths import check_logged_run, partition_of
+from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
 from mmstore._rows.table import TableFile, TableSnapshot
 from mmstore._rows.versions import version_files
-from mmstore._rows.writer import RUN_ID_PATTERN
 from mmstore._storage.backends import network_error
 from mmstore._storage.store import Storage
 from mmstore.errors import (
@@ -44,22 +43,6 @@ from mmstore.errors import (
 )
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
-
-
-# The same hive partitioning pyarrow, DuckDB and Spark apply to these paths. Segments are
-# taken as written ("none"): a foreign file's `run_id=a%2Fb` must not become the run `a/b`.
-_PARTITIONING = pads.HivePartitioning(pa.schema(PARTITION_FIELDS), segment_encoding="none")
-
-
-def partition_of(path: str) -> tuple[str, int]:
-    """``(run_id, step)`` from ``rollouts/run_id=<r>/step=<s>/part-….parquet``."""
-    try:
-        keys = pads.get_partition_keys(_PARTITIONING.parse(path))
-        return keys["run_id"], int(keys["step"])
-    except (KeyError, pa.ArrowInvalid):
-        raise CorruptFileError(
-            "rollout file outside run_id=…/step=… partitions", file=path
-        ) from None
 
 
 # -- selecting files -----------------------------------------------------------------------
@@ -313,16 +296,7 @@ def check_run_id(file: TableFile) -> None:
     Readers refuse it where they choose files, before any row is read: a loader that trained
     on it could not resume (its state would name a file no mmstore path may name).
     """
-    segment, _ = partition_of(file.path)
-    if RUN_ID_PATTERN.match(file.run_id) and segment == file.run_id:
-        return
-    raise CorruptFileError(
-        f"committed under run id {file.run_id!r}, which mmstore neither writes nor reads (a "
-        f"run id matches {RUN_ID_PATTERN.pattern}, and names the file's run_id= directory); "
-        "another engine wrote it: copy its rows into a run mmstore can name",
-        file=file.path,
-        run_id=file.run_id,
-    )
+    check_logged_run(file.path, file.run_id)
 
 
 def _level_entries(column: pa.ChunkedArray) -> int | None:

@@ -20,17 +20,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from mmstore._format.paths import check_partition
+from mmstore._format.schema import META_FINAL
 from mmstore._rows.files import check_run_id
 from mmstore._rows.lengths import FileFacts, read_file_facts
 from mmstore._rows.snapshot import WorkUnit, file_units
 from mmstore._rows.table import LogEntry, TableFile
 from mmstore._rows.versions import table_of
-from mmstore._rows.writer import check_partition
 from mmstore._storage.store import Storage
 from mmstore.errors import InvalidArgumentError
 
 # Per-row columns a follower reads beside the planning facts.
-FOLLOWED_COLUMNS = ("sample_id", "group_id", "policy_version")
+FOLLOWED_COLUMNS = ("sample_id", "group_id", "policy_version", "loss_mask")
 
 
 @dataclass(frozen=True, order=True)
@@ -72,6 +73,21 @@ class FollowedFile:
     def sample_ids(self) -> pa.ChunkedArray:
         return self.facts.columns["sample_id"]
 
+    @property
+    def final(self) -> bool:
+        """Whether it is of its run's final commit (``store.writer(final=True)``)."""
+        return (self.facts.meta.metadata or {}).get(META_FINAL) == b"true"
+
+    def loss_tokens(self, start: int, stop: int) -> int:
+        """Loss tokens of rows ``[start, stop)``, as the loader hands them over (after
+        ``max_len``)."""
+        column = self.facts.columns["loss_mask"].combine_chunks()
+        total = 0
+        for row in range(start, stop):
+            mask = column[row].values.to_numpy(zero_copy_only=False)
+            total += int(mask[: int(self.facts.lengths[row])].sum())
+        return total
+
     def policy_versions(self, unknown: int) -> np.ndarray:
         """Each row's policy version, ``unknown`` where none is recorded."""
         column = self.facts.columns["policy_version"]
@@ -83,6 +99,16 @@ class FollowedFile:
         group = int(np.searchsorted(starts, row, side="right")) - 1
         unit = next(u for u in self.units if u.row_group == group)
         return unit, row - int(starts[group])
+
+
+@dataclass(frozen=True)
+class Polled:
+    """What one poll found: the followed files new versions added (each not removed by a
+    later version of the same poll), and every file those versions removed (a file handed
+    over by an earlier poll and removed since must not be trained either)."""
+
+    files: list[FollowedFile]
+    removed: frozenset[str]
 
 
 class LogFollower:
@@ -123,33 +149,51 @@ class LogFollower:
             self._watch.close()
             self._watch = None
 
-    def poll(self) -> list[FollowedFile]:
-        """The followed files of every version committed since the last poll (one read of
-        each new entry, and one of the next, absent entry)."""
+    def poll(self) -> Polled:
+        """The followed files of every version committed since the last poll, and the files
+        those versions removed (one read of each new entry, and one of the next, absent
+        entry). A file a later version removes is never handed over, so its footer is not
+        read either: released, it may be collected already."""
         # A change from here on wakes the next wait (one before is read by this poll).
         if self._watch is not None:
             self._watch.drain()
-        found: list[FollowedFile] = []
         table = table_of(self.store)
         # Whether the start was cleaned up below a checkpoint is asked once: later polls of a
         # version not there yet are one read each (one request on an object store).
         check = self._first_poll
         self._first_poll = False
-        while (entry := table.log_entry(self.version + 1, check_cleaned=check)) is not None:
+        entries: list[LogEntry] = []
+        while True:
             try:
-                files = self._files_of(entry)  # all of an entry's files, or none
+                entry = table.log_entry(self.version + 1 + len(entries), check_cleaned=check)
             except Exception:
-                if found:  # hand over the entries before it; it raises again next time
-                    return found
+                if entries:  # hand over the entries before it; it raises again next time
+                    break
+                raise
+            if entry is None:
+                break
+            entries.append(entry)
+            check = False
+        found: list[FollowedFile] = []
+        removed: set[str] = set()
+        for entry, removed_later in zip(entries, _removed_later(entries), strict=True):
+            try:
+                files = self._files_of(entry, removed_later)  # all of an entry's, or none
+            except Exception:
+                if found or removed:  # hand over the entries before it; it raises again
+                    break
                 raise
             found.extend(files)
+            removed.update(entry.removed)
             self.version = entry.version
-        return found
+        return Polled(found, frozenset(removed))
 
-    def _files_of(self, entry: LogEntry) -> list[FollowedFile]:
+    def _files_of(self, entry: LogEntry, removed_later: frozenset[str]) -> list[FollowedFile]:
         files = []
         for index, file in enumerate(entry.added):
-            if file.run_id not in self.runs:
+            if file.run_id not in self.runs or file.path in removed_later:
+                continue
+            if file.path in entry.rearranged:  # a rewrite (compaction): no new rows
                 continue
             first_row = 0
             if entry.version == self.start.version:
@@ -164,6 +208,16 @@ class LogFollower:
             units = tuple(file_units(self.store, file.path, facts.meta))
             files.append(FollowedFile(entry.version, index, file, units, facts, first_row))
         return files
+
+
+def _removed_later(entries: list[LogEntry]) -> list[frozenset[str]]:
+    """For each entry, the files the entries after it remove."""
+    later: list[frozenset[str]] = []
+    removed: frozenset[str] = frozenset()
+    for entry in reversed(entries):
+        later.append(removed)
+        removed = removed | frozenset(entry.removed)
+    return later[::-1]
 
 
 class _LogWatch:

@@ -13,8 +13,9 @@ import pyarrow as pa
 from mmstore._format.models import Rollout, released
 from mmstore._rows.check import read_checked
 from mmstore._rows.files import check_run_id, open_rollout_file, select_files
+from mmstore._rows.snapshot import collected
 from mmstore._storage.store import Storage
-from mmstore.errors import NoMatchError
+from mmstore.errors import CorruptFileError, NoMatchError
 
 
 def read_rollouts(
@@ -37,7 +38,12 @@ def read_rollouts(
         check_run_id(file)
     rows: list[Rollout] = []
     for file in files:
-        table = _read(store, file.path, wanted)
+        try:
+            table = _read(store, file.path, wanted)
+        except CorruptFileError as exc:  # gone: collected since ``version``?
+            if version is None or store.backend.stat(file.path) is not None:
+                raise
+            raise collected(store, version, file.path) or exc from None
         rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())
     missing = sorted(wanted - {r.sample_id for r in rows}) if wanted is not None else []
     if missing or not rows:

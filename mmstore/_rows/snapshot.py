@@ -8,6 +8,7 @@ epoch can be located without reading the data before it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mmstore._format.paths import partition_of
 from mmstore._format.schema import FILE_COLUMN, META_LAYOUTS, ROW_COLUMNS, check_schema_version
 from mmstore._rows.files import (
     check_run_id,
@@ -24,14 +26,19 @@ from mmstore._rows.files import (
     distinct_leaf,
     media_leaf,
     open_rollout_file,
-    partition_of,
     reading,
     select_from,
 )
-from mmstore._rows.table import TableSnapshot
-from mmstore._rows.versions import version_files
+from mmstore._rows.table import LogEntry, TableSnapshot
+from mmstore._rows.versions import table_of, version_files
 from mmstore._storage.store import Storage
-from mmstore.errors import CorruptFileError, InvalidArgumentError
+from mmstore.errors import (
+    CorruptFileError,
+    InvalidArgumentError,
+    MmstoreError,
+    SchemaVersionError,
+    TableVersionError,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,8 @@ class WorkUnit:
     # The group_id range (min, max: Parquet statistics) of the row groups just before and
     # just after this one in its file; None where there is none, or no statistics. A GRPO
     # group at this unit's edge can go on over there only if its id lies in that range
-    # (:func:`._materialize.wanted_elsewhere`). A hint for the node cache, never for order.
+    # (:func:`mmstore._loading.materialize.wanted_elsewhere`). A hint for the node cache,
+    # never for order.
     neighbours: Neighbours = field(default=(None, None), compare=False, repr=False)
 
 
@@ -87,8 +95,97 @@ def take_snapshot(
     logged = {f.path: f for f in table.files}
     for path in files:  # every file, before any is read
         check_run_id(logged[path])
-    units = [unit for path in files for unit in file_units(store, path)]
+    units = []
+    for path in files:
+        try:
+            units.extend(file_units(store, path))
+        except (CorruptFileError, SchemaVersionError) as exc:
+            raise unreadable(store, table.version, path, exc) from None
     return Snapshot(tuple(files), tuple(units), table.version)
+
+
+def unreadable(store: Storage, version: int, path: str, exc: MmstoreError) -> MmstoreError:
+    """What to raise for file ``path`` of ``version`` that failed with ``exc``: a
+    :class:`TableVersionError` if gc collected it after a later commit removed it (the
+    version is no longer readable), a :class:`SchemaVersionError` naming the commit and the
+    way back if another engine wrote it (no mmstore footer: a compaction), else ``exc``."""
+    if store.backend.stat(path) is None:
+        return collected(store, version, path) or exc
+    if isinstance(exc, SchemaVersionError) and _foreign(store, path):
+        return _foreign_file(store, version, path)
+    return exc
+
+
+def collected(store: Storage, version: int, path: str) -> TableVersionError | None:
+    """The error for reading ``version`` whose file ``path`` is gone, if a commit after
+    ``version`` removed it (gc then collected it: the version is no longer readable); None
+    if none did (the file is missing from a version that still lists it)."""
+    table = table_of(store)
+    try:
+        removal = next((e for e in table.entries_after(version) if path in e.removed), None)
+    except MmstoreError:
+        return None
+    if removal is None:
+        return None
+    when = _when(removal.timestamp_ms)
+    return TableVersionError(
+        f"version {version} of the rollouts table is no longer readable: version "
+        f"{removal.version} removed its file{when} and gc has collected it since (after its "
+        "grace period). mmstore.readable_versions(store) lists the versions that read whole; "
+        "pin a version you mean to come back to (mmstore.pin_rows(store, name, version=...))",
+        table=table.uri,
+        version=version,
+        file=path,
+        removed_at=removal.version,
+    )
+
+
+def _when(stamp_ms: int | None) -> str:
+    if stamp_ms is None:
+        return ""
+    return time.strftime(" at %Y-%m-%dT%H:%M:%SZ", time.gmtime(stamp_ms / 1000))
+
+
+def _foreign(store: Storage, path: str) -> bool:
+    """Whether committed file ``path`` carries none of mmstore's footer keys."""
+    try:
+        keys = open_rollout_file(store, path).metadata.metadata or {}
+    except MmstoreError:
+        return False
+    return not any(key.startswith(b"mmstore.") for key in keys)
+
+
+def _foreign_file(store: Storage, version: int, path: str) -> SchemaVersionError:
+    """The error for a committed file mmstore did not write, naming the commit that added
+    it (another engine's compaction, typically) and how to undo it."""
+    table = table_of(store)
+    added: LogEntry | None = None
+    try:
+        for at in range(version, -1, -1):
+            entry = table.log_entry(at)
+            if entry is not None and any(f.path == path for f in entry.added):
+                added = entry
+                break
+    except MmstoreError:  # its entry was cleaned up below a checkpoint
+        pass
+    if added is None:
+        by, back = "", "v) of the version before it (DeltaTable(uri).history() names it"
+    else:
+        by = f" at version {added.version} ({added.operation or 'an unnamed commit'})"
+        back = str(added.version - 1)
+    return SchemaVersionError(
+        f"committed file carries no mmstore footer: another engine wrote it into the table{by}"
+        ". A compaction (delta-rs optimize.compact(), Spark OPTIMIZE, auto-compaction) "
+        "rewrites mmstore's files without the footer the loader checks rows against, and "
+        "mmstore reads only files it wrote. Undo it with deltalake.DeltaTable(uri)."
+        f"restore({back}) if nothing was committed after it (a "
+        "restore takes back later commits too), and turn off compaction of this table: see "
+        "docs/engines.md",
+        file=path,
+        version=version,
+        added_at=None if added is None else added.version,
+        table=table.uri,
+    )
 
 
 def file_units(store: Storage, path: str, meta: pq.FileMetaData | None = None) -> list[WorkUnit]:

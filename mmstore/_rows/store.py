@@ -3,16 +3,26 @@ the writer, read-back)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from mmstore._families import Family
 from mmstore._format.models import Rollout
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
+from mmstore._rows.entries import LOG_DIR
 from mmstore._rows.readback import read_rollouts
+from mmstore._rows.runs import RUNS
 from mmstore._rows.table import RolloutTable, TableFile
 from mmstore._rows.versions import table_of, version_files
 from mmstore._rows.writer import DEFAULT_ROW_GROUP_SIZE, RolloutWriter
-from mmstore._storage.store import Storage
+from mmstore._storage.manifest import FORMAT_VERSION, MANIFEST
+from mmstore._storage.store import PINS, Storage
+from mmstore.errors import TableNotFoundError
+
+# What the rollouts table's log starts with: version 0's entry, or (once old entries are
+# cleaned up) the checkpoint that ``_last_checkpoint`` names.
+FIRST_ENTRY = f"{LOG_DIR}/{0:020d}.json"
+LAST_CHECKPOINT = f"{LOG_DIR}/_last_checkpoint"
 
 
 class Store(Storage):
@@ -23,8 +33,73 @@ class Store(Storage):
     """
 
     def initialize(self) -> None:
-        """A new store's table: version 0, empty (a creator killed before it: see versions)."""
+        """A new store's table: version 0, empty."""
         self.table.create()
+
+    def check_existing(self) -> None:
+        """An existing (format-2) store opens only with its table's log (:meth:`check_log`);
+        one that holds nothing but its manifest (its creator was killed before it made the
+        table) gets the table now."""
+        if self.manifest.get("format_version") == FORMAT_VERSION:
+            self.check_log(create=True)
+
+    def check_log(self, *, create: bool = False) -> None:
+        """Refuse a store whose rollouts table has lost its log: one whose ``rollouts``
+        (or ``rollouts/_delta_log``) is a file (:class:`NotAStoreError`), or whose log holds
+        neither version 0 nor a checkpoint (:class:`TableNotFoundError`, naming what says
+        rows were committed). Read as it stands, such a log would list no files: every
+        read would find the store empty, and gc would delete every file as unlisted.
+        ``create``: give a store that holds nothing but its manifest an empty table
+        instead. One stat when the log starts at version 0."""
+        if self.backend.stat(FIRST_ENTRY) is not None:
+            return
+        self.refuse_file_at(LOG_DIR)
+        if self._checkpointed():
+            return
+        found = self._committed_rows()
+        if create and not found:
+            self.table.create()
+            return
+        raise TableNotFoundError(
+            f"the store at {self.root!r} has no commit log: {LOG_DIR}/ holds neither version 0 "
+            f"nor a checkpoint"
+            + (f", yet it holds {'; '.join(found)}" if found else "")
+            + ". A copy or restore that skips folders starting with '_' leaves the log "
+            f"behind: restore {LOG_DIR}/ from the store it came from. Without a copy of it, "
+            f'set "format_version": 1 in {MANIFEST} and run `mmstore upgrade {self.root}`: '
+            "it commits every Parquet file under rollouts/ anew (rows released but not yet "
+            "collected come back; versions and producers' seqs start over). Nothing was "
+            "changed: without its log, mmstore neither opens nor collects the store (every "
+            "row would look gone, and gc would delete every file)",
+            root=self.root,
+            log=LOG_DIR,
+        )
+
+    def _checkpointed(self) -> bool:
+        """Whether the log starts at a checkpoint (entries before it cleaned up): the one
+        ``_last_checkpoint`` names is there."""
+        try:
+            last = json.loads(self.backend.read(LAST_CHECKPOINT))
+            version, parts = int(last["version"]), last.get("parts")
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
+            return False
+        name = f"{version:020d}.checkpoint" + (f".{1:010d}.{int(parts):010d}" if parts else "")
+        return self.backend.stat(f"{LOG_DIR}/{name}.parquet") is not None
+
+    def _committed_rows(self) -> list[str]:
+        """What in the store says rows were committed (to a log): its manifest saying it
+        was upgraded, rollout Parquet files, run records, pins."""
+        found = []
+        if "upgraded" in self.manifest:
+            found.append(f"{MANIFEST} (upgraded {self.manifest['upgraded']})")
+        for what, listed in (
+            ("Parquet file(s)", [f.path for f in self.listed_rollout_files()]),
+            ("run record(s)", [f.path for f in self.backend.list(RUNS)]),
+            ("pin(s)", [f.path for f in self.backend.list(PINS)]),
+        ):
+            if listed:
+                found.append(f"{len(listed)} {what} ({min(listed)}, ...)")
+        return found
 
     @property
     def table(self) -> RolloutTable:
@@ -51,12 +126,16 @@ class Store(Storage):
         seq: int | None = None,
         adapter: Family | None = None,
         row_group_size: int | None = None,
+        final: bool = False,
     ) -> RolloutWriter:
         """A writer whose rows become visible atomically when its ``with`` block exits (one
         new table version). With ``producer`` and ``seq`` the commit happens at most once
-        per pair, across retries, processes and crashes (see :class:`RolloutWriter`)."""
-        self._add_new_columns()
-        return RolloutWriter(
+        per pair, across retries, processes and crashes (see :class:`RolloutWriter`).
+        ``final=True`` marks the producer's last commit to the run: a live loader that has
+        followed the final commit of every run it follows trains what waits as a last,
+        short step instead of waiting for more (commit nothing to the run after it).
+        Arguments are checked before anything is done (:class:`InvalidArgumentError`)."""
+        writer = RolloutWriter(
             self,
             run_id,
             step,
@@ -64,7 +143,10 @@ class Store(Storage):
             row_group_size=DEFAULT_ROW_GROUP_SIZE if row_group_size is None else row_group_size,
             producer=producer,
             seq=seq,
+            final=final,
         )
+        self._add_new_columns()
+        return writer
 
     def _add_new_columns(self) -> None:
         """Once per process: give a table made before a column was added to the row schema

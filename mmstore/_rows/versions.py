@@ -2,17 +2,19 @@
 open store, the files of a version, and commits.
 
 Every reader reads the files of one table version (the latest by default) and every writer
-commits through the table; nothing here lists ``rollouts/``. A format-2 store whose table
-is missing (a creator killed between writing the manifest and creating the table) gets
-it created on first use: creation is idempotent and safe to race.
+commits through the table; nothing here lists ``rollouts/``. Nothing here creates a
+table: a store's open does (``Store.check_log``), so a table missing here lost its log
+since, and an empty one made now would say every committed row is gone.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+from mmstore._rows.entries import LOG_DIR
 from mmstore._rows.table import CommitResult, RolloutTable, TableFile, TableSnapshot
 from mmstore._storage.store import Storage
 from mmstore.errors import TableNotFoundError
@@ -22,6 +24,7 @@ from mmstore.errors import TableNotFoundError
 # a store pickled into a DataLoader worker gets none (and must not call delta-rs there).
 _TABLES: weakref.WeakKeyDictionary[Storage, RolloutTable] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+_T = TypeVar("_T")
 
 
 def table_of(storage: Storage) -> RolloutTable:
@@ -33,23 +36,33 @@ def table_of(storage: Storage) -> RolloutTable:
         return table
 
 
-def version_files(storage: Storage, version: int | None = None) -> TableSnapshot:
-    """The committed files of ``version`` (None: the latest), read from the log."""
+def _on_table(storage: Storage, use: Callable[[RolloutTable], _T]) -> _T:
+    """``use(table)`` of ``storage``'s table; a missing one (its log gone since the store
+    was opened) raises :class:`TableNotFoundError` saying so."""
     table = table_of(storage)
     try:
-        return table.snapshot(version)
+        return use(table)
+    except NotADirectoryError:  # rollouts/ (or its log's folder) is a file now
+        storage.refuse_file_at(LOG_DIR)
+        raise
     except TableNotFoundError:
-        table.create()
-        return table.snapshot(version)
+        raise TableNotFoundError(
+            f"the store at {storage.root!r} has lost its commit log ({LOG_DIR}/) "
+            "since it was opened: restore the log from a copy of the store (nothing was "
+            "changed; mmstore makes a table only with its store)",
+            root=storage.root,
+            table=table.uri,
+        ) from None
+
+
+def version_files(storage: Storage, version: int | None = None) -> TableSnapshot:
+    """The committed files of ``version`` (None: the latest), read from the log."""
+    return _on_table(storage, lambda table: table.snapshot(version))
 
 
 def latest_version(storage: Storage) -> int:
     """The newest committed version of ``storage``'s table."""
-    table = table_of(storage)
-    try:
-        return table.latest_version()
-    except TableNotFoundError:
-        return table.create()
+    return _on_table(storage, lambda table: table.latest_version())
 
 
 def commit_files(
@@ -58,29 +71,43 @@ def commit_files(
     *,
     producer: str | None = None,
     seq: int | None = None,
+    commit_id: str | None = None,
+    digest: str | None = None,
+    absent_since: int | None = None,
 ) -> CommitResult:
     """Commit files already written in place (see :meth:`RolloutTable.commit`)."""
-    table = table_of(storage)
-    try:
-        return table.commit(files, producer=producer, seq=seq)
-    except TableNotFoundError:
-        table.create()
-        return table.commit(files, producer=producer, seq=seq)
+    return _on_table(
+        storage,
+        lambda table: table.commit(
+            files,
+            producer=producer,
+            seq=seq,
+            commit_id=commit_id,
+            digest=digest,
+            absent_since=absent_since,
+        ),
+    )
 
 
 def version_at(storage: Storage, cutoff_ms: float, latest: int) -> int:
     """The version that was the latest at ``cutoff_ms`` (ms since the epoch): the newest
     whose commit is older, by the timestamps of the log's entries (a binary search, no
-    delta-rs); 0 if every version is newer. An entry without a timestamp counts as new,
+    delta-rs); 0 if every version is newer (or, where the entries below the last checkpoint
+    were cleaned up, the version before it). An entry without a timestamp counts as new,
     so that the answer errs towards an older version (gc then keeps more)."""
     table = table_of(storage)
 
     def older(version: int) -> bool:
-        entry = table.log_entry(version)
+        entry = table.log_entry(version, check_cleaned=False)
         stamp = None if entry is None else entry.timestamp_ms
         return stamp is not None and stamp < cutoff_ms
 
-    low, high = 0, latest  # invariant: the answer lies in [low, high]
+    # Entries below the oldest version the log opens were cleaned up (another engine's
+    # cleanup_metadata()): no timestamps to read, and no reader can open those versions
+    # now. The answer is then at least the version before it, which gc reads as "older
+    # than the checkpoint" (the checkpoint's tombstones, then the entries after it).
+    first = table.first_version()
+    low, high = max(first - 1, 0), latest  # invariant: the answer lies in [low, high]
     while low < high:
         middle = (low + high + 1) // 2
         if older(middle):

@@ -15,10 +15,11 @@ memory holds compressed bytes, not Python rows.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-import re
 import threading
 import uuid
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -43,6 +44,7 @@ from mmstore._format.models import (
     list_array,
     released,
 )
+from mmstore._format.paths import check_partition, check_producer, part_path
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.invariants import check_rollout
 from mmstore._rows.runs import record_layouts, run_layouts
@@ -56,8 +58,6 @@ log = logging.getLogger("mmstore")
 # Rows are a few KB to a few hundred KB; 128 rows keep row groups (the unit of work the
 # loader shards) fine-grained while pages stay large enough for zstd.
 DEFAULT_ROW_GROUP_SIZE = 128
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-INT32_MAX = 2**31 - 1
 
 # Encodings, chosen by measurement: `python -m benchmarks.bench_write --scale 2` prints this
 # table for 512 realistic rows (3.6k tokens, 2 image refs, GRPO groups of 8, Zipf text,
@@ -137,6 +137,13 @@ def _list_array(values: list[np.ndarray | None], type: pa.DataType, dtype: Any) 
     return pa.ListArray.from_arrays(offsets, flat, type=type, mask=mask)
 
 
+def rows_digest(step: int, sample_ids: Iterable[str]) -> str:
+    """What an exactly-once commit commits, as the log keeps it to compare a pair's later
+    commits with: its step and its rows' sample ids (sorted), hashed."""
+    text = "\n".join([str(step), *sorted(sample_ids)])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 class _Encoding(threading.Thread):
     """One row group encoded (zstd, page checksums) beside the writer's thread.
 
@@ -163,34 +170,6 @@ class _Encoding(threading.Thread):
         self.table = None
 
 
-def check_partition(run_id: Any, step: Any) -> None:
-    """Refuse a run id or step that cannot name a hive partition directory."""
-    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
-        raise InvalidRolloutError(
-            f"run_id {run_id!r} must match {RUN_ID_PATTERN.pattern} (it names a directory)",
-            run_id=run_id,
-        )
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT32_MAX:
-        raise InvalidRolloutError(
-            f"step {step!r} must be a non-negative int32", run_id=run_id, step=step
-        )
-
-
-def check_producer(producer: Any, seq: Any) -> None:
-    """Refuse a producer without a seq (or the other way round) or malformed ones."""
-    if producer is None and seq is None:
-        return
-    if producer is None or seq is None:
-        raise InvalidArgumentError(
-            f"producer and seq go together: give both or neither (producer={producer!r}, "
-            f"seq={seq!r})"
-        )
-    if not isinstance(producer, str) or not producer or len(producer) > 256:
-        raise InvalidArgumentError(f"producer must be a non-empty string, got {producer!r}")
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise InvalidArgumentError(f"seq must be an int >= 0, got {seq!r}", producer=producer)
-
-
 class RolloutWriter:
     """Use as ``with store.writer(run_id=..., step=...) as w: w.write(rollout)``.
 
@@ -200,10 +179,15 @@ class RolloutWriter:
     table version adds; :attr:`version` is that version.
 
     Exactly once: a writer given ``producer`` (a name for the process that makes the rows,
-    e.g. ``"sampler-0"``) and ``seq`` (that producer's sequence number, growing by commit)
-    commits its rows at most once per pair, across processes and crashes: a retried
-    commit of a pair the table already holds commits nothing, sets :attr:`duplicate` and
-    logs a warning (logger ``mmstore``). Such a writer commits once.
+    e.g. ``"sampler-0"``) and ``seq`` (that producer's sequence number in the run, growing
+    by commit) commits its rows at most once per ``(producer, run_id, seq)``, across
+    processes and crashes: a retried commit of the same rows under a pair the run already
+    holds commits nothing, sets :attr:`duplicate` and logs a warning (logger ``mmstore``);
+    other rows under a used pair raise :class:`ProducerConflictError` (nothing dropped
+    silently). Such a writer commits once. A commit that raised (a lost reply, a failure
+    after its log entry was durable) is retried by calling :meth:`commit` again: it finds
+    its own entry (by the commit id this writer keeps for the file) instead of committing
+    the file a second time or calling its own commit a duplicate.
 
     An image-only token (a family's placeholder, break or end token) outside every image
     span is refused, in rows with images and in text-only rows alike, whenever the writer
@@ -227,8 +211,12 @@ class RolloutWriter:
         row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
         producer: str | None = None,
         seq: int | None = None,
+        final: bool = False,
     ) -> None:
         check_partition(run_id, step)
+        if not isinstance(final, bool):
+            raise InvalidArgumentError(f"final must be True or False, got {final!r}")
+        self.final = final
         check_producer(producer, seq)
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
             raise InvalidArgumentError(f"row_group_size must be an int, got {row_group_size!r}")
@@ -260,6 +248,7 @@ class RolloutWriter:
         self._parquet: pq.ParquetWriter | None = None
         self._encoding: _Encoding | None = None  # the row group being encoded, if any
         self._encoded: bytes | None = None  # a file whose commit failed, kept for the retry
+        self._commit_id: str | None = None  # the encoded file's commit, the same on a retry
         self._file_layouts: dict[str, dict[str, Any]] = {}  # the encoded file's layouts
         self._closed = False
 
@@ -416,10 +405,7 @@ class RolloutWriter:
                 self._encoded = self._encode()
         else:
             self.store.sync_media(self._unsynced)
-        rel = (
-            f"rollouts/run_id={self.run_id}/step={self.step}/"
-            f"part-{self.writer_id}-{len(self.committed):05d}.parquet"
-        )
+        rel = part_path(self.run_id, self.step, self.writer_id, len(self.committed))
         # The run's families before its rows: a text-only writer of this run finds them.
         record_layouts(self.store, self.run_id, self._file_layouts)
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
@@ -429,9 +415,19 @@ class RolloutWriter:
         if not written and self.store.backend.read(rel) != self._encoded:
             raise FileExistsError(f"rollout file {rel!r} already exists in {self.store.root!r}")
         file = TableFile(rel, self.run_id, self.step, len(self._encoded), self._file_rows)
-        result = commit_files(self.store, [file], producer=self.producer, seq=self.seq)
+        if self._commit_id is None:
+            self._commit_id = uuid.uuid4().hex
+        result = commit_files(
+            self.store,
+            [file],
+            producer=self.producer,
+            seq=self.seq,
+            commit_id=self._commit_id,
+            digest=None if self.producer is None else rows_digest(self.step, self._sample_ids),
+        )
         self.result = result
         self._encoded = None
+        self._commit_id = None
         self._unsynced = set()
         self._file_rows = 0
         if result.duplicate:
@@ -442,7 +438,9 @@ class RolloutWriter:
         return rel
 
     def _drop_duplicate(self, rel: str, result: CommitResult) -> None:
-        """The table holds this (producer, seq) already: remove the file no version lists."""
+        """The table holds this (producer, run, seq) already with the same rows, in another
+        file (a commit whose entry lists this file is this commit, never a duplicate):
+        remove the file no version lists."""
         self.duplicate = True
         self.store.backend.delete(rel)
         log.warning(
@@ -461,7 +459,9 @@ class RolloutWriter:
         assert self._parquet is not None and self._sink is not None
         layouts = {fp: layout.params() for fp, layout in sorted(self._layouts.items())}
         self._file_layouts = layouts
-        metadata = file_metadata(self.run_id, self.step, layouts, self._num_tokens)
+        metadata = file_metadata(
+            self.run_id, self.step, layouts, self._num_tokens, final=self.final
+        )
         self._num_tokens = []
         self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
         self._parquet.close()
@@ -473,6 +473,7 @@ class RolloutWriter:
         """Drop everything not yet committed and close the writer."""
         self._pending = []
         self._encoded = None
+        self._commit_id = None
         self._num_tokens = []
         self._file_rows = 0
         if self._encoding is not None:

@@ -26,7 +26,7 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,11 +55,19 @@ class FileStat:
 
 
 class Backend(Protocol):
+    """What a store needs of where its bytes live (a new backend implements all of it)."""
+
     fs: pafs.FileSystem
     base: str
 
     def abspath(self, rel: str) -> str: ...
     def read(self, rel: str) -> bytes: ...
+
+    def read_if_present(self, rel: str) -> bytes | None:
+        """``rel``'s bytes, or None where it does not exist: what a poll of the log asks, in
+        one request where the storage allows."""
+        ...
+
     def write_atomic(
         self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
     ) -> bool: ...
@@ -70,6 +78,14 @@ class Backend(Protocol):
     def delete(self, rel: str) -> None: ...
     def delete_tree(self, rel: str) -> None: ...
     def is_empty(self) -> bool: ...
+
+    # The rollouts table's log: whether ``write_atomic(..., replace=False)`` is an atomic
+    # put-if-absent here (then mmstore writes the log's commits itself, see
+    # mmstore._rows.log), and where delta-rs finds the table at ``rel`` (its URI and
+    # storage options).
+    @property
+    def puts_if_absent(self) -> bool: ...
+    def delta_location(self, rel: str) -> tuple[str, dict[str, str] | None]: ...
 
 
 class LocalBackend:
@@ -85,6 +101,12 @@ class LocalBackend:
         raises :class:`NotAFileError` without blocking."""
         with _open_regular(self.abspath(rel)) as f:
             return f.read()
+
+    def read_if_present(self, rel: str) -> bytes | None:
+        try:
+            return self.read(rel)
+        except FileNotFoundError:
+            return None
 
     def write_atomic(
         self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True
@@ -256,6 +278,15 @@ class LocalBackend:
         real = os.path.realpath(path)
         return real == self.base or real.startswith(self.base + os.sep)
 
+    @property
+    def puts_if_absent(self) -> bool:
+        """Always: :meth:`write_atomic` without ``replace`` links, which never replaces."""
+        return True
+
+    def delta_location(self, rel: str) -> tuple[str, dict[str, str] | None]:
+        """The table at ``rel`` for delta-rs: its local path, no storage options."""
+        return self.abspath(rel), None
+
 
 def _open_regular(path: str) -> io.BufferedReader:
     """``open(path, "rb")`` that never blocks and only opens regular files.
@@ -425,10 +456,43 @@ def conditional_put_client(settings: dict[str, Any]) -> Any | None:
     return boto3.session.Session().client("s3", config=config, **kwargs)
 
 
+def delta_s3_options(options: Mapping[str, Any] | None) -> dict[str, str]:
+    """The store's ``s3_options`` (``pyarrow.fs.S3FileSystem`` keywords) as delta-rs
+    (object_store) storage options, with the same environment fallbacks as
+    :func:`s3_filesystem`; commits use conditional put."""
+    opts = dict(options or {})
+    out = {"conditional_put": "etag"}
+    endpoint, scheme = opts.get("endpoint_override"), opts.get("scheme")
+    if not endpoint:
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env:
+            parsed = urlparse(env)
+            endpoint, scheme = parsed.netloc or parsed.path, scheme or parsed.scheme
+    if endpoint:
+        url = str(endpoint) if "://" in str(endpoint) else f"{scheme or 'https'}://{endpoint}"
+        out["AWS_ENDPOINT_URL"] = url
+        if url.startswith("http://"):
+            out["AWS_ALLOW_HTTP"] = "true"
+    region = (
+        opts.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    if region:
+        out["AWS_REGION"] = str(region)
+    for key, name in (
+        ("access_key", "AWS_ACCESS_KEY_ID"),
+        ("secret_key", "AWS_SECRET_ACCESS_KEY"),
+        ("session_token", "AWS_SESSION_TOKEN"),
+    ):
+        if opts.get(key):
+            out[name] = str(opts[key])
+    return out
+
+
 class S3Backend:
     def __init__(self, uri: str, options: dict[str, Any] | None = None) -> None:
         parsed = urlparse(uri)
         self.base = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
+        self.options = dict(options or {})  # as given: delta_location translates them
         self.settings = s3_settings(options)
         self.fs = pafs.S3FileSystem(**self.settings)
         self._client: Any = None  # boto3, built on first put-if-absent (never pickled)
@@ -443,6 +507,15 @@ class S3Backend:
             self._client = conditional_put_client(self.settings) or False
         return self._client is not False
 
+    @property
+    def puts_if_absent(self) -> bool:
+        """With :attr:`conditional_put` only: a stat-then-put would race."""
+        return self.conditional_put
+
+    def delta_location(self, rel: str) -> tuple[str, dict[str, str] | None]:
+        """The table at ``rel`` for delta-rs: its ``s3://`` URI and object_store options."""
+        return f"s3://{self.abspath(rel)}", delta_s3_options(self.options)
+
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         """Write ``rel`` unless it exists, atomically (S3's ``If-None-Match: *``): True if
         this call wrote it, False if an object was there (or a racing write won)."""
@@ -451,7 +524,6 @@ class S3Backend:
         if not self.conditional_put:
             raise RuntimeError("put_if_absent needs boto3 (the s3 extra)")
         bucket, _, key = self.abspath(rel).partition("/")
-        location = f"s3://{self.abspath(rel)}"
         try:
             self._client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         except ClientError as exc:
@@ -460,20 +532,31 @@ class S3Backend:
             # won, and a False here makes the caller read the version again and retry).
             if status in (409, 412):
                 return False
-            if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
-                raise self._no_bucket(rel) from None
-            if status in (403,):
-                raise PermissionError(errno.EACCES, f"access denied ({exc})", location) from None
-            if status is not None and status < 500 and status != 429:
-                raise OSError(f"conditional put of {location} refused: {exc}") from None
-            raise NetworkError(
-                f"storage did not answer (retryable): {exc}", location=location
-            ) from None
+            raise self._boto_error(exc, rel, "conditional put") from None
         except BotoCoreError as exc:
-            raise NetworkError(
-                f"storage unreachable or too slow (retryable): {exc}", location=location
-            ) from None
+            raise self._boto_error(exc, rel, "conditional put") from None
         return True
+
+    def _boto_error(self, exc: Exception, rel: str, what: str) -> Exception:
+        """A boto3 failure on ``rel`` as the error mmstore raises for it."""
+        from botocore.exceptions import ClientError
+
+        location = f"s3://{self.abspath(rel)}"
+        if not isinstance(exc, ClientError):  # no answer: a connection or a timeout
+            return NetworkError(
+                f"storage unreachable or too slow (retryable): {exc}", location=location
+            )
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = exc.response.get("Error", {}).get("Code")
+        if code == "NoSuchBucket":
+            return self._no_bucket(rel)
+        if code in ("NoSuchKey", "404") or status == 404:
+            return FileNotFoundError(errno.ENOENT, "no such object", location)
+        if status == 403:
+            return PermissionError(errno.EACCES, f"access denied ({exc})", location)
+        if status is not None and status < 500 and status != 429:
+            return OSError(f"{what} of {location} refused: {exc}")
+        return NetworkError(f"storage did not answer (retryable): {exc}", location=location)
 
     def abspath(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
@@ -503,6 +586,20 @@ class S3Backend:
                     raise
                 raise denied from None
 
+    def read_if_present(self, rel: str) -> bytes | None:
+        """``rel``'s bytes, or None where there is no such object: with boto3 one GET, whose
+        404 is an answer (a failed :meth:`read` asks again with a HEAD and a LIST: three
+        requests for each poll of a log entry still to come)."""
+        if not self.conditional_put:
+            try:
+                return self.read(rel)
+            except FileNotFoundError:
+                return None
+        try:
+            return self._get(rel)
+        except FileNotFoundError:
+            return None
+
     def read(self, rel: str) -> bytes:
         with self._network(rel):
             try:
@@ -515,6 +612,19 @@ class S3Backend:
                 if answered and self.stat(rel) is None:
                     raise FileNotFoundError(self.abspath(rel)) from exc
                 raise
+
+    def _get(self, rel: str) -> bytes:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, _, key = self.abspath(rel).partition("/")
+        try:
+            body = self._client.get_object(Bucket=bucket, Key=key)["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+        except (BotoCoreError, ClientError) as exc:
+            raise self._boto_error(exc, rel, "read") from None
 
     def write_atomic(
         self, rel: str, data: bytes, *, replace: bool = True, durable: bool = True

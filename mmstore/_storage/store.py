@@ -1,6 +1,6 @@
 """A store's bytes: a manifest, content-addressed media and rollout files under one root.
 
-The root is a local directory or an ``s3://bucket/prefix``; see :mod:`._backends`.
+The root is a local directory or an ``s3://bucket/prefix``; see :mod:`.backends`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mmstore._format.media import (
     probe,
 )
 from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, MediaRef, VideoRef
+from mmstore._format.paths import ROLLOUTS, RUN_DIR_PREFIX
 from mmstore._format.video import VideoInfo, clip_mismatch, probe_video
 from mmstore._storage.backends import (
     STAGING,
@@ -61,7 +62,6 @@ from mmstore.errors import (
     UntrustedURIError,
 )
 
-ROLLOUTS = "rollouts"
 MEDIA = "media"
 PINS = "pins"
 # Linux's limits (limits.h): longer names fail every file call with ENAMETOOLONG.
@@ -175,10 +175,30 @@ class Storage:
         )
         if created:
             store.initialize()
+        else:
+            store.check_existing()
         return store
 
     def initialize(self) -> None:
         """What a new store needs besides its manifest (subclasses add their parts)."""
+
+    def check_existing(self) -> None:
+        """What opening an existing store checks besides its manifest (subclasses add
+        their parts)."""
+
+    def refuse_file_at(self, folder: str) -> None:
+        """Refuse a store where ``folder`` (``rollouts/_delta_log``) or one of the folders
+        above it is a file: :class:`NotAStoreError` naming it. Nothing if none is."""
+        parts = folder.split("/")
+        for end in range(1, len(parts) + 1):
+            rel = "/".join(parts[:end])
+            if self.backend.stat(rel) is not None:
+                raise NotAStoreError(
+                    f"{rel!r} in the store at {self.root!r} is a file where the store keeps "
+                    f"a folder: move it away, and put the store's {rel}/ folder back",
+                    root=self.root,
+                    path=rel,
+                ) from None
 
     # -- media ---------------------------------------------------------------------------
 
@@ -490,7 +510,7 @@ def enclosing_root(root: str) -> str | None:
     """``ROOT`` for a path like ``ROOT/rollouts/run_id=r1`` (no I/O beyond a local check)."""
     parts = root.rstrip("/").split("/")
     for i, part in enumerate(parts):
-        if i and (part in (ROLLOUTS, MEDIA, PINS, STAGING) or part.startswith("run_id=")):
+        if i and (part in (ROLLOUTS, MEDIA, PINS, STAGING) or part.startswith(RUN_DIR_PREFIX)):
             candidate = "/".join(parts[:i])
             local = not candidate.startswith("s3://")
             path = unquote(urlparse(candidate).path) if "://" in candidate else candidate

@@ -42,6 +42,7 @@ from mmstore.errors import (
     HashMismatchError,
     ImageDecodeError,
     ImageSizeError,
+    InvalidArgumentError,
     LayoutMismatchError,
     MediaNotFoundError,
     RefRefused,
@@ -106,8 +107,11 @@ class RefResolver:
     without video refs gets no video keys. Video refs need a processor with a video half
     (pass the full processor, or an adapter whose video half is bound: an adapter is its own
     adapter); without one they are refused (``video_unsupported``). Thread-safe;
-    ``cache_bytes`` bounds the processed tensors kept (LRU); ``max_request_bytes`` bounds the
-    bytes one request may build (``request_too_large``).
+    ``cache_bytes`` bounds the processed tensors kept (LRU; or ``materialize``, a
+    :class:`mmstore.Materialize` whose ``cache_bytes`` it applies: the resolver answers in
+    float32 numpy and never substitutes missing media, so any other setting moved from its
+    default is refused); ``max_request_bytes`` bounds the bytes one request may build
+    (``request_too_large``).
     """
 
     def __init__(
@@ -115,10 +119,12 @@ class RefResolver:
         store: Store,
         image_processor: Any,
         *,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int | None = None,
         max_refs: int = DEFAULT_MAX_REFS,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        materialize: Any = None,
     ) -> None:
+        cache_bytes = _cache_bound(cache_bytes, materialize)
         self.store = store
         self.adapter = adapter_for(image_processor)
         self.max_refs = max_refs
@@ -170,20 +176,24 @@ class RefResolver:
             return _as_error(None, exc)
 
     def _over_budget(self, refs: Sequence[ImageRef | VideoRef]) -> dict[str, Any] | None:
-        """The error for a request whose pixels would exceed the budget, before any decode."""
-        total = 0
+        """The error for a request whose memory would exceed the budget, before any decode:
+        every ref's processed tensors (the answer holds them all), and the decoded frames
+        of the largest clip (decoded one ref at a time, at full size, then processed)."""
+        total = decoding = 0
         for index, ref in enumerate(refs):
             if isinstance(ref, VideoRef):
                 size = self._video_bytes(ref)
                 total = self.max_request_bytes + 1 if size is None else total + size
+                decoding = max(decoding, _decoded_bytes(ref))
             else:
                 total += 4 * math.prod(self.adapter.pixel_shape(ref.width, ref.height))
-            if total > self.max_request_bytes:
+            if total + decoding > self.max_request_bytes:
                 return _error(
                     index,
                     "request_too_large",
-                    f"the first {index + 1} refs need {total} bytes of processed tensors, "
-                    f"above the request budget of {self.max_request_bytes}",
+                    f"the first {index + 1} refs need {total} bytes of processed tensors and "
+                    f"{decoding} of decoded frames, above the request budget of "
+                    f"{self.max_request_bytes}",
                 )
         return None
 
@@ -374,19 +384,47 @@ def _error(index: int | None, reason: str, detail: str) -> dict[str, Any]:
     return {"error": ERROR, "index": index, "reason": reason, "detail": detail}
 
 
+def _cache_bound(cache_bytes: int | None, materialize: Any) -> int:
+    """The resolver's cache bound: ``cache_bytes``, or a Materialize object's."""
+    if materialize is None:
+        return DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
+    # Materialize needs torch, which this module does not: imported only when one is given.
+    from mmstore._loading.settings import settings_from
+
+    settings = settings_from(materialize, {}, reader="RefResolver")
+    if cache_bytes is not None:
+        raise InvalidArgumentError(
+            "RefResolver got cache_bytes= and materialize=: give the bound in one of them"
+        )
+    settings.refuse_all_but({"cache_bytes"}, reader="RefResolver")
+    return settings.cache_bytes
+
+
+def _decoded_bytes(ref: VideoRef) -> int:
+    """What decoding a video ref's frames holds at once, at full size: the decoded RGB
+    frames and the processor's stacked copy of them (a 24-frame 4K request grew a server by
+    1.2 GB: twice its 0.6 GB of frames)."""
+    return 2 * len(ref.frames) * ref.width * ref.height * 3
+
+
 def resolve_wire_refs(
     store: Store,
     wire_refs: Any,
     image_processor: Any,
     *,
-    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    cache_bytes: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    materialize: Any = None,
 ) -> dict[str, Any]:
     """One-shot :class:`RefResolver`: refs repeated within the request are processed once.
 
     A server should build one ``RefResolver`` and keep it, so its cache spans requests.
     """
     resolver = RefResolver(
-        store, image_processor, cache_bytes=cache_bytes, max_request_bytes=max_request_bytes
+        store,
+        image_processor,
+        cache_bytes=cache_bytes,
+        max_request_bytes=max_request_bytes,
+        materialize=materialize,
     )
     return resolver.resolve(wire_refs)

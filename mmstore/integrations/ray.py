@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     import torch
 
     from mmstore._loading.dataset import RolloutLoader  # torch: only for type checks
+    from mmstore._loading.settings import Materialize
 
 __all__ = ["DEFAULT_ACTORS", "iter_batches", "read_rollouts"]
 
@@ -153,20 +154,18 @@ class _Materialize:
     Each slice is read and checked on the actor, through the loader's own path:
     :func:`read_units` opens the file with every page checksum verified, checks the
     footer's value counts and casts the columns to the v1 types (or raises naming the file),
-    and :meth:`Materializer.samples` runs the reader's row checks and bounds (spans, sizes,
-    trust, the token and image caps) row by row on Arrow views.
+    and :meth:`~mmstore._loading.materialize.Materializer.samples` runs the reader's row
+    checks and bounds (spans, sizes, trust, the token and image caps) row by row on Arrow
+    views.
     """
 
     def __init__(
         self,
         store: Store,
         image_processor: Any,
-        dtype: str,
-        missing: str,
+        settings: Materialize,
         units: Sequence[WorkUnit],
     ) -> None:
-        import torch
-
         from mmstore._loading.collate import collate_videos
         from mmstore._loading.materialize import Materializer
         from mmstore._loading.stack import batch_images
@@ -178,8 +177,10 @@ class _Materialize:
         self.materializer = Materializer(
             store,
             adapter_for(image_processor),
-            dtype=getattr(torch, dtype),
-            missing=missing,  # type: ignore[arg-type]
+            dtype=settings.dtype,  # type: ignore[arg-type]  # a torch.dtype once checked
+            missing=settings.missing,
+            max_len=settings.max_len,
+            cache_bytes=settings.cache_bytes,
         )
         # The last row group read: its slices usually come to the same actor one by one.
         self._read: tuple[int, pa.Table] | None = None
@@ -219,6 +220,24 @@ class _Materialize:
             out.setdefault(key, []).append(value)
 
 
+# What an actor applies of the Materialize settings (it materializes samples, not batches).
+APPLIED = ("dtype", "missing", "max_len", "cache_bytes")
+
+
+def _settings(materialize: Any, flat: dict[str, Any]) -> Materialize:
+    """The actors' settings; float32 unless asked (numpy, which they hand over, has no bf16)."""
+    import torch
+
+    from mmstore._loading.settings import Materialize, settings_from
+
+    base = Materialize(dtype=torch.float32)
+    settings = settings_from(
+        materialize, flat, reader="read_rollouts", base=base, accepted=("dtype", "missing")
+    )
+    settings.refuse_all_but(APPLIED, reader="read_rollouts")
+    return settings
+
+
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
     # numpy has no bfloat16: floating tensors travel as float32 (cast on the device). None:
     # a sample without videos, where its family takes them.
@@ -243,13 +262,13 @@ def read_rollouts(
     runs: Any = None,
     steps: Any = None,
     *,
-    dtype: str = "float32",
-    missing: str = "error",
+    materialize: Any = None,
     concurrency: int | None = None,
     num_cpus: float = 1,
     resources: dict[str, float] | None = None,
     batch_size: int = 16,
     version: int | None = None,
+    **flat_settings: Any,
 ) -> ray.data.Dataset:
     """The selected rollouts of table ``version`` (None: the latest) as a Ray dataset of
     materialized samples. The files and row groups are those the version lists (planned
@@ -263,8 +282,14 @@ def read_rollouts(
     ``resources`` pins them to nodes that offer those custom resources. An error on an
     actor is raised, while the dataset is consumed, as an instance of the mmstore error's
     own class (see the module's docstring).
+
+    ``materialize``: a :class:`mmstore.Materialize` (its ``dtype``, ``missing``,
+    ``max_len`` and ``cache_bytes`` apply; other settings moved from their defaults are
+    refused); ``None``: its defaults with ``dtype=float32``. For one release ``dtype=`` and
+    ``missing=`` are also taken as flat keywords.
     """
     ray = _ray()
+    settings = _settings(materialize, flat_settings)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     size = _pool_size(ray, concurrency, num_cpus, resources)
@@ -278,8 +303,7 @@ def read_rollouts(
         fn_constructor_kwargs={
             "store": store,
             "image_processor": image_processor,
-            "dtype": dtype,
-            "missing": missing,
+            "settings": settings,
             "units": snapshot.units,
         },
         batch_size=1,
