@@ -356,3 +356,17 @@ def test_history_tells_a_release_from_a_write_and_names_no_absolute_path(tmp_pat
     assert "r1" in history[2]["operationParameters"]["predicate"]
     assert history[0]["operation"] == "CREATE TABLE"
     assert str(tmp_path) not in json.dumps(history[0])
+
+
+def test_a_writer_that_read_the_log_before_a_cleanup_commits_where_readers_look(store):
+    # A long-lived producer read the log at version 1; another engine then committed, took
+    # a checkpoint and cleaned up the entries below it. The producer's next commit must land
+    # after the checkpoint: an entry put at a cleaned-up version is seen by no reader, and gc
+    # would collect its file as an orphan.
+    stale = mmstore.Store.open(store.root)
+    write(stale, "r0", 0)
+    cleaned_up(mmstore.Store.open(store.root))
+    (late,) = write(stale, "r0", 1)
+    fresh = mmstore.Store.open(store.root)
+    assert late in [f.path for f in fresh.files()]
+    assert mmstore.gc(fresh, grace_seconds=0).rollout_files_deleted == []

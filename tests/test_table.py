@@ -493,9 +493,12 @@ def test_a_commit_writes_a_protocol_correct_log_entry_that_delta_rs_reads(table)
 
 
 @pytest.mark.slow
-def test_a_warm_commit_reads_only_the_next_entry_whatever_the_tables_size(table, monkeypatch):
+def test_a_warm_commit_reads_two_entries_whatever_the_tables_size(table, monkeypatch):
     """No listing, no checkpoint, no replay, no delta-rs table: one failed read of the next
-    version's entry (then the entry is written), at 3 files as at 40 (past checkpoints)."""
+    version's entry and one of the newest it read (still there: no other engine cleaned the
+    log up past it), then the entry is written; at 3 files as at 40 (past checkpoints)."""
+    # (one read more than before round 4: see test_log_trust's writer that read the log
+    # before a cleanup)
 
     def no_delta_rs_table():
         raise AssertionError("a commit loaded the table's files through delta-rs")
@@ -513,7 +516,9 @@ def test_a_warm_commit_reads_only_the_next_entry_whatever_the_tables_size(table,
         seen.clear()
         version = table.commit([file], producer="p", seq=i).version
         if i in (2, 39):
-            assert seen == [f"rollouts/_delta_log/{version:020d}.json"], (i, seen)
+            entries = [f"rollouts/_delta_log/{v:020d}.json" for v in (version, version - 1)]
+            # (the newest is not read again where it is the checkpoint this head read)
+            assert seen in (entries, entries[:1]), (i, seen)
     table.join_checkpoint()  # checkpoints (every 5 versions) were written beside
     last = real_read(table.storage.backend, "rollouts/_delta_log/_last_checkpoint")
     assert json.loads(last)["version"] == 39  # delta-rs's rule: the versions 4, 9, ...

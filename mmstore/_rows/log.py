@@ -516,6 +516,15 @@ class TableLog:
         if self._head is None:
             self._head = self._checkpoint_head()
         self._advance(self._head)
+        if (
+            self._head.version > self._head.checkpointed
+            and self.read_json(self._head.version) is None
+        ):
+            # The newest entry read is gone: another engine cleaned the log up below a newer
+            # checkpoint (entries go oldest first, so while it stands the next one is truly
+            # free). Its next version is then no free version: read again from the checkpoint.
+            self._head = self._checkpoint_head()
+            self._advance(self._head)
         if self._head.version < 0:
             self._head = None
             raise TableNotFoundError(
