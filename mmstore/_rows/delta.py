@@ -345,12 +345,6 @@ class DeltaRsTable:
         _check_protocol(table, self.uri)
         return TableSnapshot(version, _files(table))
 
-    def producer_seq(self, producer: str) -> int | None:
-        """The latest seq committed by ``producer`` (None if it never committed)."""
-        with self.lock:
-            seq = self._table().transaction_version(producer)
-        return None if seq is None else int(seq)
-
     # -- committing ----------------------------------------------------------------------
 
     def append(
