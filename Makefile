@@ -7,9 +7,9 @@ STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 # `make check` spreads its tests over two pytest-xdist processes (tests that need a resource
 # alone share an xdist_group); `make check XDIST=` runs them in one. `make test` (CI) stays in
-# one process: spread over two it was no faster on this 2-core machine (12.8 and 14.1 min;
-# many slow tests start processes of their own) and once failed 33 Qwen3-VL video tests that
-# depend on the order tests run in (a cached processor some test changes).
+# one process: spread over two it was faster on this 2-core machine (12.8 against about 18
+# min) but once failed 33 Qwen3-VL video tests that depend on the order tests run in (a
+# cached processor some test changes). Fix that, then spread it.
 XDIST   ?= -n 2 --dist loadgroup
 
 .PHONY: venv test check lint demo bench clean
