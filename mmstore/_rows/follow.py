@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mmstore._format.paths import check_partition
 from mmstore._format.schema import META_FINAL
@@ -81,12 +82,15 @@ class FollowedFile:
     def loss_tokens(self, start: int, stop: int) -> int:
         """Loss tokens of rows ``[start, stop)``, as the loader hands them over (after
         ``max_len``)."""
-        column = self.facts.columns["loss_mask"].combine_chunks()
-        total = 0
-        for row in range(start, stop):
-            mask = column[row].values.to_numpy(zero_copy_only=False)
-            total += int(mask[: int(self.facts.lengths[row])].sum())
-        return total
+        # One pass over the rows' masks, not one Python object per row: a prefix sum of
+        # the flattened masks, read at each row's start and its cut (``max_len``).
+        rows = self.facts.columns["loss_mask"].slice(start, stop - start).combine_chunks()
+        lengths = pc.list_value_length(rows).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = pc.list_flatten(rows).to_numpy(zero_copy_only=False)
+        prefix = np.concatenate([[0], np.cumsum(flat, dtype=np.int64)])
+        firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        cuts = firsts + np.minimum(lengths, self.facts.lengths[start:stop])
+        return int((prefix[cuts] - prefix[firsts]).sum())
 
     def policy_versions(self, unknown: int) -> np.ndarray:
         """Each row's policy version, ``unknown`` where none is recorded."""
