@@ -664,3 +664,48 @@ def test_on_s3_an_idle_poll_is_one_request(s3_store, small_processor):
     polls = 2 / 0.25
     assert arrow_calls == [] and set(sent) == {"GET"}
     assert 0 < len(sent) <= polls + 2
+
+
+# -- a forged row: every rank decides alike (trust round 4, item 11) ----------------------
+
+
+def _forged_step(tmp_path):
+    """A store whose followed run holds one file of a two-sample step: a valid row, then (in
+    rank 1's share) a row whose image span holds a wrong token, as another engine could
+    commit it."""
+    from tests.test_reader_trust import forge
+    from tests.test_reader_trust import make_row as dict_row
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(live_workers.processor())
+    media = [store.put_media(live_workers.image_bytes(0, 96, 64), ext="png")]
+    good, bad = dict_row(adapter, media, "good"), dict_row(adapter, media, "bad")
+    good["group_id"], bad["group_id"] = "g0", "g1"
+    bad["tokens"][bad["images"][0]["offset"] + 1] = 7  # inside the span
+    path = forge(store, adapter, [good, bad], run=RUN)
+    return store, path
+
+
+@pytest.mark.parametrize("max_tokens", [None, live_workers.MAX_TOKENS], ids=["padded", "packed"])
+def test_a_forged_row_in_one_ranks_share_stops_every_rank_alike(tmp_path, max_tokens):
+    """Rank 0's share is valid, rank 1's holds the forged row: both raise the same typed error
+    at step 0, on every call, and neither trains (a rank that trained would wait for the
+    other in its next collective). Releasing the run lets both go on, alike."""
+    store, path = _forged_step(tmp_path)
+    ranks = [
+        live_loader(store, batch_size=1, rank=r, world_size=2, max_tokens=max_tokens)
+        for r in range(2)
+    ]
+    for _ in range(2):  # the same answer again: the file stays first in line
+        for live in ranks:
+            with pytest.raises(mmstore.InvalidRolloutError) as info:
+                live.next_step(timeout=5)
+            ctx = info.value.context
+            assert (ctx["file"], ctx["run_id"], ctx["sample_id"]) == (path, RUN, "bad")
+            assert live.step == 0 and live.stats()["samples"] == 0
+    mmstore.release_run(store, RUN, grace_seconds=0)
+    for live in ranks:
+        with pytest.raises(mmstore.LiveTimeoutError):
+            live.next_step(timeout=0)
+        assert live.stats()["removed_samples"] == 2
+        live.close()

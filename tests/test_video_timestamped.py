@@ -400,6 +400,43 @@ def test_explicit_frames(store: mmstore.Store, name: str, frames: tuple[int, ...
     assert_same_tensors(adapter, decode_all(data)[list(frames)], ref, out)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|vision_start|><|video_pad|><|vision_end|>",  # the chat template's
+        "<|video_pad|>",  # a bare video token
+        "<|vision_start|><|video_pad|> a <|video_pad|><|vision_end|>",  # neither wrapped
+        "<|video_pad|> <|vision_start|><|video_pad|><|vision_end|>",  # one of two wrapped
+    ],
+    ids=["wrapped", "bare", "half-wrapped", "one-of-two"],
+)
+def test_qwen3_vl_wrapper_as_the_processor_treats_it(store: mmstore.Store, text: str) -> None:
+    """Whether the processor replaces the template's <|vision_start|>...<|vision_end|> with
+    the video token (transformers 5.25 does; 5.24 keeps the pair), expand_media gives its
+    tokens: a span never keeps a pair the processor dropped, nor drops one it kept."""
+    family, adapter = FAMILIES["qwen3-vl"], adapter_of("qwen3-vl")
+    processor = family.processor()
+    data = make_clip(8, 64, 64, 8, seed=2)
+    media = store.put_video(data)
+    count = text.count("<|video_pad|>")
+    frames = [(0, 3, 5, 7)] * count
+    expanded = adapter.expand_media(
+        token_ids(processor, text), videos=[media] * count, frames=frames
+    )
+    decoded = torch.from_numpy(decode_all(data)[list(frames[0])]).permute(0, 3, 1, 2)
+    out = processor(
+        text=text,
+        videos=[decoded] * count,
+        video_metadata=[metadata(media, frames[0]) for _ in range(count)],
+        do_sample_frames=False,
+        return_tensors="pt",
+        return_metadata=True,
+    )
+    assert expanded.tokens == out["input_ids"][0].tolist()
+    for ref in expanded.videos:
+        assert adapter.video.check_span(span_of(expanded.tokens, ref), ref) is None
+
+
 def test_qwen3_vl_needs_two_frames(store: mmstore.Store) -> None:
     """Qwen3-VL's resize refuses fewer frames than a slab (ValueError in transformers): the
     layout refuses the ref with a typed error before any span exists."""

@@ -363,15 +363,19 @@ class Family(OfLayout, ABC):
             if kind == "image":
                 image_refs.append(self._image_ref(next(pending_images), offset=len(out)))
                 out.extend(self.expansion(image_refs[-1].width, image_refs[-1].height))
+                start = pos + 1
             else:
                 assert video is not None
+                wrapped = _wrapped(video.wrapper, token_list, pos, start)
+                if wrapped:  # the processor replaces the wrapper with the token: so do we
+                    out.pop()
                 index, media = next(pending_videos)
                 picked = frames[index] if frames is not None else None
                 if picked is None:
                     picked = video.sample(media, fps=fps, num_frames=num_frames)
                 video_refs.append(video.ref(media, picked, offset=len(out)))
                 out.extend(video.expansion(video_refs[-1]))
-            start = pos + 1
+                start = pos + 2 if wrapped else pos + 1
         out.extend(token_list[start:])
         return Expanded(out, image_refs, video_refs)
 
@@ -388,6 +392,19 @@ class Family(OfLayout, ABC):
             layout_fingerprint=self.fingerprint,
             payload=getattr(item, "payload", None),
         )
+
+
+def _wrapped(wrapper: tuple[int, int] | None, tokens: Sequence[int], pos: int, start: int) -> bool:
+    """Whether the video token at ``pos`` sits inside ``wrapper`` (its start token not yet
+    consumed: at or after ``start``)."""
+    if wrapper is None:
+        return False
+    before, after = wrapper
+    return (
+        pos - 1 >= start
+        and tokens[pos - 1] == before
+        and list(tokens[pos + 1 : pos + 2]) == [after]
+    )
 
 
 def expansion_array(family: Family, width: int, height: int) -> np.ndarray:

@@ -103,6 +103,9 @@ class VideoFamily(OfLayout, ABC):
         self.video_processor = video_processor
         self.tokenizer = tokenizer
         self._text_ids: dict[str, tuple[int, ...]] = {}
+        #: the tokens around the video token that the bound processor replaces with it (see
+        #: :meth:`read_wrapper`); None where it replaces the video token alone
+        self.wrapper: tuple[int, int] | None = None
 
     @classmethod
     def class_for_processor(cls, video_processor: Any) -> type[VideoFamily]:
@@ -130,7 +133,20 @@ class VideoFamily(OfLayout, ABC):
             ids.update(tokenizer_ids(cls.token_table, tokenizer))
         ids = {k: v for k, v in ids.items() if k in cls.token_table}
         parameters = {"media": MEDIA_VIDEO, **cls.read_parameters(video_processor, processor)}
-        return cls(Layout.make(cls.name, parameters, ids), video_processor, tokenizer)
+        family = cls(Layout.make(cls.name, parameters, ids), video_processor, tokenizer)
+        family.wrapper = cls.read_wrapper(processor, ids)
+        return family
+
+    @classmethod
+    def read_wrapper(cls, processor: Any, token_ids: Mapping[str, int]) -> tuple[int, int] | None:
+        """The (start, end) tokens a chat template puts around the video token that the full
+        ``processor`` replaces together with it, or None (it replaces the video token alone).
+
+        Not a layout parameter: the span (and so every reader) is the same either way; only
+        the tokens around it differ, which is what :meth:`.Family.expand_media` must do as
+        the processor does.
+        """
+        return None
 
     @classmethod
     @abstractmethod

@@ -287,6 +287,25 @@ class Qwen3VLVideo(PatchVideo):
             "timestamps": "qwen3",
         }
 
+    @classmethod
+    def read_wrapper(cls, processor: Any, token_ids: Mapping[str, int]) -> tuple[int, int] | None:
+        # transformers 5.25 collapses the chat template's
+        # <|vision_start|><|video_pad|><|vision_end|> into the video's replacement (each slab
+        # is bracketed already); 5.24 and earlier keep the outer pair. Asked of the
+        # processor's own text step, so whichever version is installed is followed.
+        replace = getattr(processor, "get_text_with_replacements", None)
+        names = ("vision_start_token", "video_token", "vision_end_token")
+        texts = [t for name in names if isinstance(t := getattr(processor, name, None), str)]
+        if replace is None or len(texts) != len(names):
+            return None
+        try:
+            (text,), _ = replace(["".join(texts)], [], ["X"], [])
+        except Exception:  # a text step of another shape: it keeps the pair, as before 5.25
+            return None
+        if text != "X":
+            return None
+        return token_ids["vision_start_token_id"], token_ids["vision_end_token_id"]
+
     @cached_property
     def special_token_ids(self) -> frozenset[int]:
         return frozenset({self.video_token_id})

@@ -34,9 +34,7 @@ from mmstore._families import Family, adapter_for
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
 from mmstore._loading.collate import collate, model_input_names
 from mmstore._loading.layouts import refuse_other_layouts
-from mmstore._loading.materialize import (
-    Materialized,
-)
+from mmstore._loading.materialize import Materialized, row_window
 from mmstore._loading.microbatch import pack, packed_input_names
 from mmstore._loading.options import optional_whole, seconds, whole
 from mmstore._loading.packed import UnitReader
@@ -55,7 +53,7 @@ from mmstore._planning.live import UNKNOWN, StepTake, rank_shares, take_step
 from mmstore._planning.pack import budget_for, plan_epoch
 from mmstore._rows.check import Sample
 from mmstore._rows.follow import Cursor, FollowedFile, LogFollower
-from mmstore._rows.snapshot import WorkUnit
+from mmstore._rows.snapshot import WorkUnit, read_units
 from mmstore._rows.store import Store
 from mmstore._rows.versions import table_of
 from mmstore.errors import (
@@ -551,10 +549,22 @@ class LiveLoader:
                 {fp: {path} for fp in facts.layouts},
                 {fp: {path} for fp in facts.video_layouts},
             )
+            self._check_rows(followed)
             self._waiting.extend(_groups_of(followed))
             if followed.final:
                 self._finished.add(followed.file.run_id)
             self._unchecked.popleft()
+
+    def _check_rows(self, followed: FollowedFile) -> None:
+        """Every row of a followed file through the workers' checks, here, on every rank,
+        before any of its rows is planned. A worker checks only its rank's share: one rank
+        would train a step while another raised on it, and a lock-step job would hang in
+        its next collective. Read in the parent, every rank raises the same error at the
+        same step (again on every call, until the file leaves the table: a released run)."""
+        table = read_units(self.store, followed.units)
+        window = row_window(self.store, self.adapter, self.max_len, table)
+        for row in range(followed.first_row, window.num_rows):
+            window.check(row)
 
     def _drop_removed(self, removed: frozenset[str]) -> None:
         """Forget waiting rows of files the table no longer holds (a released run): they are

@@ -54,6 +54,19 @@ def check_missing_policy(missing: str) -> None:
         )
 
 
+def row_window(store: Store, adapter: Family, max_len: int | None, table: pa.Table) -> RowWindow:
+    """The loader's checks over ``table``'s rows (``_file`` naming their file), for
+    ``adapter``'s processor: what a worker checks before it builds a sample."""
+    return RowWindow(
+        table,
+        family_checker(adapter),
+        max_pixels=store.max_image_pixels,
+        max_len=max_len,
+        image_token_ids=adapter.special_token_ids,
+        video_family_of=video_checker(adapter),
+    )
+
+
 class Materializer:
     """Turns rows (Arrow) into :class:`Sample` s for one adapter and train dtype."""
 
@@ -105,14 +118,7 @@ class Materializer:
 
     def window(self, table: pa.Table) -> RowWindow:
         """The reader's checks over ``table``'s rows, for this loader's processor."""
-        return RowWindow(
-            table,
-            family_checker(self.adapter),
-            max_pixels=self.store.max_image_pixels,
-            max_len=self.max_len,
-            image_token_ids=self.adapter.special_token_ids,
-            video_family_of=video_checker(self.adapter),
-        )
+        return row_window(self.store, self.adapter, self.max_len, table)
 
     def note_window(
         self,
