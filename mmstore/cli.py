@@ -253,6 +253,7 @@ def _disk_lines(usage: DiskUsage) -> list[str]:
         ("rollout files", usage.rollout_files, usage.rollout_bytes, ""),
         ("media, referenced", usage.media_referenced, usage.media_referenced_bytes, pinned),
         ("media, unreferenced", usage.media_unreferenced, usage.media_unreferenced_bytes, ""),
+        ("table log", usage.log_files, usage.log_bytes, _log_clause(usage)),
     ]
     lines = [f"on disk: {_human_bytes(usage.total_bytes)}"]
     lines += [f"  {name:<20}{n:>7} files  {_human_bytes(b):>10}{why}" for name, n, b, why in parts]
@@ -264,6 +265,12 @@ def _disk_lines(usage: DiskUsage) -> list[str]:
         + _grace_clause(usage.grace_files, usage.grace_bytes, usage.free_by, usage.grace_seconds)
     )
     return _wrap(lines)
+
+
+def _log_clause(usage: DiskUsage) -> str:
+    if not usage.log_free_now_files:
+        return ""
+    return f" (gc frees {_human_bytes(usage.log_free_now_bytes)}: versions nobody opens)"
 
 
 def _grace_clause(files: int, nbytes: int, free_by: float | None, grace: float) -> str:
@@ -347,7 +354,9 @@ def _gc_lines(report: GcReport, usage: DiskUsage) -> list[str]:
         f"{verb} {len(report.deleted)} media files ({_human_bytes(report.bytes_freed)}) and "
         f"{len(report.rollout_files_deleted)} rollout files "
         f"({_human_bytes(report.rollout_bytes_freed)}); {cleared} "
-        f"{len(report.staging_cleared)} staging files",
+        f"{len(report.staging_cleared)} staging files; {report.log_files_deleted} "
+        f"files of the table's log ({_human_bytes(report.log_bytes_freed)}: versions before "
+        "the grace period and pins)",
         f"kept {report.kept} media files ({_human_bytes(report.bytes_kept)}): {referenced} "
         f"referenced by rows of the latest version or pins{pinned}"
         + (

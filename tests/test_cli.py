@@ -480,8 +480,10 @@ def test_stats_accounts_for_every_byte_and_gc_says_why_it_kept(copy, known, caps
     orphan_bytes = sum((copy / m.uri).stat().st_size for m in orphans)
     disk = json.loads(call_cli(capsys, "stats", copy, "--json").stdout)["disk"]
     media = files_under(copy, "media")
-    parquet = [p for p in files_under(copy, "rollouts") if p.suffix == ".parquet"]
-    assert disk["total_bytes"] == sum(p.stat().st_size for p in [*media, *parquet])
+    log = files_under(copy, "rollouts/_delta_log")
+    parquet = [p for p in files_under(copy, "rollouts") if p.suffix == ".parquet" and p not in log]
+    assert disk["total_bytes"] == sum(p.stat().st_size for p in [*media, *parquet, *log])
+    assert (disk["log_files"], disk["log_bytes"]) == (len(log), sum(p.stat().st_size for p in log))
     assert (disk["media_referenced"], disk["media_unreferenced"]) == (3, 2)
     assert disk["media_unreferenced_bytes"] == orphan_bytes
     # Younger than the hour's grace: kept, and said until when.

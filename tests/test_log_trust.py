@@ -18,6 +18,7 @@ import time
 import pytest
 
 import mmstore
+from mmstore._lifecycle.gc import disk_usage
 
 LOG_DIR = "rollouts/_delta_log"
 
@@ -370,3 +371,72 @@ def test_a_writer_that_read_the_log_before_a_cleanup_commits_where_readers_look(
     fresh = mmstore.Store.open(store.root)
     assert late in [f.path for f in fresh.files()]
     assert mmstore.gc(fresh, grace_seconds=0).rollout_files_deleted == []
+
+
+# -- 16: the log's checkpoints are collected with the versions nobody opens ---------------
+
+
+def log_files(store: mmstore.Store) -> list[str]:
+    return sorted(f.path.rsplit("/", 1)[-1] for f in store.backend.list(LOG_DIR))
+
+
+def test_gc_bounds_the_log_and_every_version_it_keeps_still_opens(store):
+    """85 one-file commits (checkpoints at 19, 39, 59, 79). Before: every entry and every
+    checkpoint stays forever (each checkpoint lists every live file: the log grows with the
+    square of the commits). gc collects the log below the newest checkpoint at or below
+    what it must keep openable, counts it, and everything still reads."""
+    from deltalake import DeltaTable
+
+    files = [p for step in range(85) for p in write(store, "r1", step)]
+    store.table.join_checkpoint()
+    assert len(log_files(store)) == 86 + 4 + 1  # entries 0..85, checkpoints, the hint
+    kept_for_grace = mmstore.gc(store, grace_seconds=3600)  # every version is young
+    assert kept_for_grace.log_files_deleted == 0 and len(log_files(store)) == 91
+    usage = disk_usage(store, grace_seconds=0)
+    assert (usage.log_files, usage.log_free_now_files) == (91, 79 + 3)
+    report = mmstore.gc(store, grace_seconds=0)
+    assert report.log_files_deleted == 82 and report.log_bytes_freed == usage.log_free_now_bytes
+    left = log_files(store)
+    assert left[0] == f"{79:020d}.checkpoint.parquet" and len(left) == 1 + 7 + 1
+    assert disk_usage(store, grace_seconds=0).log_free_now_files == 0
+    # Everything reads: this store, a fresh one, delta-rs; commits go on; versions before
+    # the checkpoint say plainly that they are gone.
+    for each in (store, mmstore.Store.open(store.root)):
+        assert sorted(f.path for f in each.files()) == sorted(files)
+        assert each.table.first_version() == 79
+        assert mmstore.readable_versions(each) == list(range(79, 86))
+        assert mmstore.verify(each, grace_seconds=0).ok
+    assert len(DeltaTable(store.table.uri).file_uris()) == 85
+    more = write(store, "r1", 85)
+    assert sorted(f.path for f in mmstore.Store.open(store.root).files()) == sorted(files + more)
+    with pytest.raises(mmstore.TableVersionError):
+        mmstore.Store.open(store.root).files(version=10)
+
+
+def test_a_pinned_version_keeps_its_checkpoint_and_the_entries_after_it(store):
+    for step in range(30):
+        write(store, "r1", step)
+    pinned = mmstore.pin_rows(store, "ckpt")  # version 30
+    for step in range(30, 65):
+        write(store, "r1", step)
+    store.table.join_checkpoint()
+    mmstore.gc(store, grace_seconds=0)
+    assert store.table.first_version() == 19  # the newest checkpoint at or below 30
+    assert len(store.files(version=30)) == 30 and pinned
+    mmstore.unpin(store, "ckpt")
+    mmstore.gc(store, grace_seconds=0)
+    assert store.table.first_version() == 59
+
+
+def test_a_collection_stopped_half_way_opens_from_its_checkpoint(store):
+    """gc deletes the oldest first: killed half-way, entries are left below the checkpoint
+    it keeps, and the oldest version that opens is still the checkpoint's."""
+    for step in range(25):
+        write(store, "r1", step)
+    store.table.join_checkpoint()
+    for version in range(6):  # what a gc killed after six deletes leaves
+        os.unlink(entry_path(store, version))
+    fresh = mmstore.Store.open(store.root)
+    assert fresh.table.first_version() == 19
+    assert mmstore.readable_versions(fresh) == list(range(19, 26))
+    assert len(fresh.files()) == 25

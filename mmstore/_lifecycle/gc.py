@@ -64,6 +64,7 @@ from mmstore._arguments import seconds
 from mmstore._format.media import media_path
 from mmstore._format.paths import check_partition, is_partition_dir, run_of
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
+from mmstore._rows.entries import LOG_DIR
 from mmstore._rows.files import media_hash, referenced_hashes, select_from
 from mmstore._rows.runs import RUNS, run_dir, stale_records
 from mmstore._rows.store import Store
@@ -99,6 +100,9 @@ class GcReport:
     rollout_bytes_freed: int = 0
     rollout_files_kept: int = 0  # Parquet files kept (needed, pinned or within grace)
     run_records_deleted: list[str] = field(default_factory=list)  # runs/<run>/<fp>.json
+    # the log's files (entries, checkpoints) of versions no reader may open any more
+    log_files_deleted: int = 0
+    log_bytes_freed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,6 +256,10 @@ def _collect(
     if not dry_run:
         for path in staged:
             store.backend.delete(path)
+    # Last: the marks above read the log.
+    log_files = table_of(store).collect_log_before(
+        log_boundary(store, cutoff, pins, latest), dry_run=dry_run
+    )
     return GcReport(
         deleted=sorted(gone_paths),
         kept=len(kept),
@@ -268,6 +276,8 @@ def _collect(
         rollout_bytes_freed=sum(f.size for f in doomed if f.path not in survivors),
         rollout_files_kept=len(parquet) - len(doomed) + len(survivors),
         run_records_deleted=stale,
+        log_files_deleted=len(log_files),
+        log_bytes_freed=sum(f.size for f in log_files),
     )
 
 
@@ -314,6 +324,16 @@ def needed_files(store: Store, cutoff: float, pins: dict[str, PinRecord]) -> tup
     for pin in pins.values():
         needed |= pin.files
     return latest.version, needed
+
+
+def log_boundary(store: Store, cutoff: float, pins: dict[str, PinRecord], latest: int) -> int:
+    """The oldest version gc keeps openable: the one that was the latest at ``cutoff`` (a
+    reader may have opened it within the grace period: a dataset's or a live loader's
+    state), or an older one a pin holds. The log's files below the newest checkpoint at
+    or below it are collected: without that, checkpoints (each lists every live file)
+    would grow the log quadratically with the commits."""
+    pinned = [pin.table_version for pin in pins.values() if pin.table_version is not None]
+    return min([version_at(store, cutoff * 1000, latest), *pinned])
 
 
 def _delete_rollout_files(store: Store, files: list[FileStat]) -> None:
@@ -427,10 +447,19 @@ class DiskUsage:
     grace_files: int  # what it keeps only for the grace period (released or young)
     grace_bytes: int
     free_by: float | None  # when (seconds since the epoch) those are collectable, at the latest
+    log_files: int = 0  # the table's log: entries and checkpoints
+    log_bytes: int = 0
+    log_free_now_files: int = 0  # of those, what the gc collects now (versions nobody opens)
+    log_free_now_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.rollout_bytes + self.media_referenced_bytes + self.media_unreferenced_bytes
+        return (
+            self.rollout_bytes
+            + self.media_referenced_bytes
+            + self.media_unreferenced_bytes
+            + self.log_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -462,6 +491,10 @@ def disk_usage(store: Store, grace_seconds: float = 3600) -> DiskUsage:
     held = [f for f in parquet if f.path not in latest_files and f.path not in freed]
     held += [m for m in media if media_hash(m.path) not in live and m.path not in freed]
     referenced = [m for m in media if media_hash(m.path) in live]
+    log = store.backend.list(LOG_DIR)
+    free_log = table_of(store).collect_log_before(
+        log_boundary(store, cutoff, pins, latest), dry_run=True
+    )
     return DiskUsage(
         grace_seconds=float(grace_seconds),
         rollout_files=len(parquet),
@@ -477,6 +510,10 @@ def disk_usage(store: Store, grace_seconds: float = 3600) -> DiskUsage:
         grace_files=len(held),
         grace_bytes=sum(f.size for f in held),
         free_by=_free_by(store, latest, held, needed - latest_files, grace_seconds),
+        log_files=len(log),
+        log_bytes=sum(f.size for f in log),
+        log_free_now_files=len(free_log),
+        log_free_now_bytes=sum(f.size for f in free_log),
     )
 
 

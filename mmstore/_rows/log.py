@@ -53,7 +53,7 @@ from mmstore._rows.entries import (
     producer_of,
     writer_version,
 )
-from mmstore._storage.backends import Backend
+from mmstore._storage.backends import Backend, FileStat
 from mmstore.errors import (
     CorruptFileError,
     MmstoreError,
@@ -134,12 +134,54 @@ class TableLog:
         return entries
 
     def first_version(self) -> int:
-        """The oldest version the log can still open: 0, or once the entries below it were
-        cleaned up (another engine's ``cleanup_metadata()``), the last checkpoint's."""
+        """The oldest version the log can still open: 0, or once the entries below a
+        checkpoint were collected (gc's log retention, another engine's
+        ``cleanup_metadata()``), that checkpoint's. Both collect the oldest first, so the
+        entries left run without a gap to the latest: a binary search finds the oldest."""
         if self.read_json(0) is not None:
             return 0
         last = self.last_checkpoint()
-        return 0 if last is None else int(last["version"])
+        if last is None:
+            return 0
+        low, high = 1, int(last["version"])  # the oldest entry left lies in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if self.read_json(middle) is None:
+                low = middle + 1
+            else:
+                high = middle
+        if self.backend.stat(checkpoint_path(low)) is not None:
+            return low
+        # A collection stopped half-way: entries are left below the checkpoint it kept.
+        return min((v for v in self._checkpoint_versions() if v >= low), default=high)
+
+    def _checkpoint_versions(self) -> list[int]:
+        return [
+            version
+            for f in self.backend.list(LOG_DIR)
+            if (version := log_file_version(f.path)) is not None
+            and ".checkpoint." in f.path.rsplit("/", 1)[-1]
+        ]
+
+    def collect_before(self, boundary: int, *, dry_run: bool = False) -> list[FileStat]:
+        """Delete the log's files (entries, checkpoints, checksums) of the versions below
+        the newest checkpoint at or below ``boundary``: every version from that checkpoint
+        on still opens (the checkpoint, then the entries after it); none before it does.
+        Oldest first, so what is left always runs without a gap. What it deleted (or would,
+        with ``dry_run``); nothing without such a checkpoint."""
+        files = [
+            (v, f)
+            for f in self.backend.list(LOG_DIR)
+            if (v := log_file_version(f.path)) is not None
+        ]
+        kept = [v for v, f in files if ".checkpoint." in f.path and v <= boundary]
+        if not kept:
+            return []
+        doomed = sorted(((v, f) for v, f in files if v < max(kept)), key=lambda vf: vf[0])
+        if not dry_run:
+            for _, f in doomed:
+                self.backend.delete(f.path)
+        return [f for _, f in doomed]
 
     def _check_not_cleaned(self, version: int) -> None:
         """A missing entry at or below the last checkpoint was committed and cleaned up
@@ -232,7 +274,7 @@ class TableLog:
 
     def _checkpoint(self, version: int, *columns: str) -> pa.Table:
         """The action ``columns`` of the (single-file) checkpoint of ``version``."""
-        data = self.backend.read(f"{LOG_DIR}/{version:020d}.checkpoint.parquet")
+        data = self.backend.read(checkpoint_path(version))
         return pq.read_table(pa.BufferReader(data), columns=list(columns))
 
     def removed_after(self, version: int, cutoff_ms: float) -> set[str]:
@@ -607,3 +649,16 @@ def _same_rows(
 
 
 # A producer's exactly-once key (a Delta txn's appId) in a run: ``run_id=<run>/<producer>``.
+
+
+def checkpoint_path(version: int) -> str:
+    """The store-relative path of ``version``'s (single-file) checkpoint."""
+    return f"{LOG_DIR}/{version:020d}.checkpoint.parquet"
+
+
+def log_file_version(path: str) -> int | None:
+    """The version a log file belongs to (``00000000000000000042.json``, ``...42.checkpoint
+    .parquet``, ``...42.crc``); None for ``_last_checkpoint`` and anything else."""
+    name = path.rsplit("/", 1)[-1]
+    head = name.split(".", 1)[0]
+    return int(head) if len(head) == 20 and head.isdigit() and "." in name else None

@@ -74,6 +74,7 @@ from mmstore._rows.entries import (
     TableSnapshot,
 )
 from mmstore._rows.log import TableLog
+from mmstore._storage.backends import FileStat
 from mmstore._storage.store import Storage
 from mmstore.errors import InvalidArgumentError, TableError
 
@@ -301,9 +302,14 @@ class RolloutTable:
         return self._log.entry(version, check_cleaned=check_cleaned)
 
     def first_version(self) -> int:
-        """The oldest version the log can still open (0, or the last checkpoint's once the
-        entries below it were cleaned up by another engine). No delta-rs call."""
+        """The oldest version the log can still open (0, or a checkpoint's once the entries
+        below it were collected). No delta-rs call."""
         return self._log.first_version()
+
+    def collect_log_before(self, boundary: int, *, dry_run: bool = False) -> list[FileStat]:
+        """Delete the log files no version from ``boundary`` on needs (see
+        :meth:`TableLog.collect_before`): what it deleted. No delta-rs call."""
+        return self._log.collect_before(boundary, dry_run=dry_run)
 
     def entries_after(self, version: int, *, limit: int | None = None) -> list[LogEntry]:
         """The commits after ``version`` (at most ``limit``), oldest first: one read of each
