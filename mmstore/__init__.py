@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from mmstore import debug, errors, synth, wire
 from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
 from mmstore._families.qwen_vl import QwenVL
+from mmstore._format.columns import Column, per_sample, per_token
 from mmstore._format.models import ImageRef, MediaRef, Rollout, VideoRef
 from mmstore._format.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION
 from mmstore._lifecycle.export import export
@@ -131,6 +132,9 @@ __all__ = [
     "QwenVLAdapter",
     "ReleaseReport",
     "Rollout",
+    "Column",
+    "per_token",
+    "per_sample",
     "RolloutDataset",
     "RolloutLoader",
     "RolloutWriter",

@@ -15,9 +15,11 @@ store, reads a rollout back from its Parquet file, then checks:
    multimodal processor cache (``vllm:mm_cache_hits`` grows), keyed by our content hash.
 4. ``uuid_only``: the image sent as its uuid alone (data ``None``) is served from that cache
    (reported, not required: older vLLMs refuse ``None`` items).
-5. ``prefill``: ``to_vllm_prefill`` scores the whole rollout; vLLM's prompt is the stored
+5. ``rollouts``: a sampled group (``n=3``, top-2 logprobs) becomes rows with
+   ``mmvllm.rollouts`` (spans located in vLLM's expanded prompt ids), committed, read back.
+6. ``prefill``: ``to_vllm_prefill`` scores the whole rollout; vLLM's prompt is the stored
    tokens and its response logprobs are reported beside the HF ones.
-6. ``video_generate``: a rollout whose prompt holds a video clip (``store.put_video``, the
+7. ``video_generate``: a rollout whose prompt holds a video clip (``store.put_video``, the
    frames its processor sampled at 2 fps): vLLM takes ``to_vllm_prompt``'s pre-sampled clip
    and re-expands its one ``<|video_pad|>`` to exactly the stored span.
 
@@ -265,6 +267,25 @@ def vllm_checks(
         "stored_prompt_tokens": video.prompt_len,
         "video_span": (video.videos[0].offset, video.videos[0].length),
     }
+
+    # The engine's own output -> rows: a group of 3 sampled completions with top-2 logprobs,
+    # located in vLLM's (expanded) prompt ids, committed and read back.
+    media = list(first.images)  # refs name their media as put_image's MediaRef does
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, n=3, logprobs=2, seed=0)
+    (group,) = llm.generate(prompt, sampled)
+    try:
+        adapter = mmstore.adapter_for(build_image_processor())
+        rows = mmvllm.rollouts(group, adapter, media, group_id="vllm-g", topk=2)
+        with store.writer("vllm-rollouts", 0, columns=mmvllm.topk_columns(2)) as w:
+            w.write_many(rows)
+        back = store.rollouts(run_id="vllm-rollouts")
+        report["rollouts"] = {
+            "ok": len(back) == 3
+            and all(r.tokens[: r.prompt_len] == list(group.prompt_token_ids) for r in back),
+            "completion_tokens": [len(r.tokens) - r.prompt_len for r in back],
+        }
+    except Exception as exc:
+        report["rollouts"] = {"ok": False, "why": f"{type(exc).__name__}: {exc}"[:500]}
 
     request = mmvllm.to_vllm_prefill(store, first)
     (scored,) = llm.generate(request["prompt"], SamplingParams(**request["sampling_params"]))

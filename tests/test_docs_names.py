@@ -55,6 +55,7 @@ NOT_PYTHON = {
     "mmstore.layouts",
     "mmstore.num_tokens",
     "mmstore.final",  # a producer's final commit to its run
+    "mmstore.columns",  # a file's declaration of its run's extra columns
     "mmstore.commitId",  # Delta commitInfo keys
     "mmstore.rowsDigest",
     "mmstore.pin",  # a pin file's "format"

@@ -205,7 +205,7 @@ def test_a_rank_reads_only_the_windows_of_its_share(tmp_path, small_processor, m
     read = []
     real = _spec.read_units
     monkeypatch.setattr(
-        _spec, "read_units", lambda store, units: read.append(units) or real(store, units)
+        _spec, "read_units", lambda store, units, *a: read.append(units) or real(store, units, *a)
     )
     lo = loader(store, small_processor, 1, 3, batch_size=2, window_units=2)
     plan = lo.dataset.plan(0)

@@ -378,3 +378,36 @@ def test_read_rollouts_materializes_videos_as_the_local_loader(cluster, tmp_path
             continue
         assert np.array_equal(row["pixel_values_videos"], batch["pixel_values_videos"].numpy())
         assert row["video_grid_thw"].tolist() == batch["video_grid_thw"].tolist()
+
+
+def test_read_rollouts_carries_the_declared_columns_asked_for(cluster, tmp_path):
+    """Issue 40: extra columns through Ray, bit for bit, and each sample's policy version."""
+    from tests.live_workers import image_bytes, make_row, processor
+    from tests.test_columns import ASKED, COLUMNS, values_for
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(processor())
+    media = [store.put_media(image_bytes(2, 96, 64), ext="png")]
+    rows = {}
+    with store.writer("run", 0, columns=COLUMNS) as w:
+        for k in range(4):
+            base = make_row(adapter, media if k % 2 else [], f"s{k}")
+            row = mmstore.Rollout(
+                **{
+                    **base.model_dump(),
+                    "policy_version": k,
+                    "columns": values_for(f"s{k}", len(base.tokens)),
+                }
+            )
+            rows[row.sample_id] = row
+            w.write(row)
+    data = mmray.read_rollouts(
+        store, processor(), columns=list(ASKED), concurrency=1, resources=ON_WORKER_NODE
+    )
+    got = {r["sample_id"]: r for r in data.take_all()}
+    assert set(got) == set(rows)
+    for sid, row in rows.items():
+        assert int(got[sid]["policy_version"]) == row.policy_version
+        for name in ("ref_logprobs", "topk_ids", "experts"):
+            assert np.asarray(got[sid][name]).tobytes() == row.columns[name].tobytes(), name
+        assert got[sid]["env"] == row.columns["env"]

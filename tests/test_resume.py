@@ -130,7 +130,7 @@ def test_seek_reads_no_window_before_the_cut(filled, small_processor, monkeypatc
     read = []
     real = _spec.read_units
     monkeypatch.setattr(
-        _spec, "read_units", lambda store, units: read.append(units) or real(store, units)
+        _spec, "read_units", lambda store, units, *a: read.append(units) or real(store, units, *a)
     )
     loader.load_state_dict({**loader.state_dict(), "batches_yielded": cut})
     next(iter(loader))

@@ -25,18 +25,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from mmstore._families._layout import (
     Collation,
+    Expanded,
     Layout,
     OfLayout,
     Token,
     published_token_ids,
     tokenizer_ids,
 )
+from mmstore._families._locate import locate
 from mmstore._families._video import VideoFamily
 from mmstore._format.models import ImageRef, MediaRef, VideoRef
 from mmstore.errors import (
@@ -49,14 +51,6 @@ from mmstore.errors import (
 if TYPE_CHECKING:
     import torch
     from PIL import Image
-
-
-class Expanded(NamedTuple):
-    """A prompt with its media expanded: the tokens, and the refs of its images and videos."""
-
-    tokens: list[int]
-    images: list[ImageRef]
-    videos: list[VideoRef]
 
 
 class Family(OfLayout, ABC):
@@ -81,8 +75,9 @@ class Family(OfLayout, ABC):
 
     The rest is the adapter's public face and is not overridden: :attr:`family`,
     :attr:`fingerprint`, :attr:`image_token_id`, :meth:`expand`, :meth:`expand_media`,
-    :meth:`process`, and :attr:`video`, the family's video half (a :class:`._video.VideoFamily`
-    registered beside it in :mod:`._registry`, bound to the full processor's video processor).
+    :meth:`locate`, :meth:`process`, and :attr:`video`, the family's video half (a
+    :class:`._video.VideoFamily` registered beside it in :mod:`._registry`, bound to the full
+    processor's video processor).
 
     Layout math reads ``self.layout`` only, never the processor: a family built from a layout
     alone (a footer) answers it, and expansions are cached per layout (:func:`expansion_array`).
@@ -378,6 +373,37 @@ class Family(OfLayout, ABC):
                 start = pos + 2 if wrapped else pos + 1
         out.extend(token_list[start:])
         return Expanded(out, image_refs, video_refs)
+
+    def locate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        images: Sequence[MediaRef | ImageRef] = (),
+        videos: Sequence[MediaRef] = (),
+        fps: float | None = None,
+        num_frames: int | None = None,
+        frames: Sequence[Sequence[int]] | None = None,
+    ) -> Expanded:
+        """:meth:`expand_media` for ids whose spans are expanded already (a processor's
+        ``input_ids``, an inference engine's prompt ids): the tokens unchanged, and the refs
+        ``expand_media`` gives for the same prompt with one placeholder per medium.
+
+        Media are in prompt order (images among themselves, videos among themselves); a
+        video's frames are sampled as ``expand_media`` samples them, or ``frames[i]``. Each
+        span must be exactly its medium's expansion, and no image or video token may lie
+        outside the spans: else :class:`~mmstore.errors.InvalidRolloutError` naming the
+        ``image_index``/``video_index`` (or the stray token's position).
+        See :mod:`._locate` for how spans are found.
+        """
+        return locate(
+            self,
+            token_ids,
+            images=images,
+            videos=videos,
+            fps=fps,
+            num_frames=num_frames,
+            frames=frames,
+        )
 
     def _image_ref(self, item: MediaRef | ImageRef, offset: int) -> ImageRef:
         return ImageRef(

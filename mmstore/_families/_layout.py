@@ -7,14 +7,24 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import xxhash
+
+from mmstore._format.models import ImageRef, VideoRef
 
 # How one image tensor of a family is batched: "cat" concatenates the images' tensors along
 # their first axis (patch rows, or one row per image); "pad" zero-pads the trailing (spatial)
 # axes to the largest image of the batch first (Pixtral's native-resolution images).
 Collation = Literal["cat", "pad"]
+
+
+class Expanded(NamedTuple):
+    """A prompt with its media expanded: the tokens, and the refs of its images and videos."""
+
+    tokens: list[int]
+    images: list[ImageRef]
+    videos: list[VideoRef]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from mmstore._format.columns import Column, check_name, column_values
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 from mmstore.errors import InvalidRolloutError
 
@@ -249,7 +250,27 @@ class Rollout(BaseModel):
     # The policy (weights version) that generated the sample, for the live loader's
     # staleness bound; a multi-turn sample carries the oldest. None: unknown, never stale.
     policy_version: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    # The values of the extra columns its run declares (``store.writer(columns=...)``), by
+    # name: per token an array-like of one value per token, per sample a value. Checked
+    # and converted by the writer, which knows the declaration.
+    columns: dict[str, Any] = Field(default_factory=dict)
     _arrays: _Arrays = PrivateAttr(default_factory=_Arrays)
+    _declared: dict[str, Column] = PrivateAttr(default_factory=dict)
+
+    @property
+    def declared_columns(self) -> dict[str, Column]:
+        """The declaration of its columns, for a row read back from a store (else empty)."""
+        return dict(self._declared)
+
+    def __eq__(self, other: object) -> bool:
+        # Column values may be numpy arrays, whose == is elementwise: compared by value.
+        if not isinstance(other, Rollout):
+            return NotImplemented
+        mine, theirs = dict(self.__dict__), dict(other.__dict__)
+        columns, other_columns = mine.pop("columns"), theirs.pop("columns")
+        return mine == theirs and same_column_values(columns, other_columns)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as pydantic models are
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -305,6 +326,18 @@ class Rollout(BaseModel):
                 "tokens, refs = adapter.expand(token_ids, [media, ...]) and pass those refs "
                 "(and tokens)"
             )
+        return value
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _column_names(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            for name, item in value.items():
+                check_name(name)
+                if item is None:
+                    raise ValueError(f"column {name!r} has no value (None)")
         return value
 
     @field_validator("reward", "advantage")
@@ -396,15 +429,32 @@ def with_optional_columns(table: pa.Table | pa.RecordBatch) -> pa.Table | pa.Rec
     return table
 
 
+def same_column_values(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two rows' column values are equal (arrays by value, dtype aside)."""
+    if a.keys() != b.keys():
+        return False
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
     """Rollouts as an Arrow table of the v1 schema."""
     rows = [{**r.model_dump(), "videos": [v.model_dump_row() for v in r.videos]} for r in rollouts]
     return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
 
 
-def table_to_rollouts(table: pa.Table | pa.RecordBatch) -> list[Rollout]:
-    """Arrow rows (of the v1 schema, any extra columns ignored) back as Rollouts."""
+def table_to_rollouts(
+    table: pa.Table | pa.RecordBatch, columns: Mapping[str, Column] | None = None
+) -> list[Rollout]:
+    """Arrow rows (of the v1 schema) back as Rollouts, with the values of ``columns`` (a
+    file's declaration; any other extra column ignored)."""
     names = [f.name for f in ROLLOUT_SCHEMA]
     table = with_optional_columns(table)
     rows = table.select(names).to_pylist()
-    return [released(Rollout(**{k: row[k] for k in names})) for row in rows]
+    declared = dict(columns or {})
+    extra = {n: column_values(table.column(n), c) for n, c in declared.items()}
+    out = []
+    for i, row in enumerate(rows):
+        rollout = Rollout(**{k: row[k] for k in names}, columns={n: v[i] for n, v in extra.items()})
+        rollout._declared = declared
+        out.append(released(rollout))
+    return out

@@ -219,6 +219,7 @@ ROW_COLUMNS = [
     "advantage",
     "images",
     "videos",
+    "policy_version",
 ]
 # Columns added to the v1 schema since files were first written: a file may lack them, and a
 # reader of such a file sees nulls (never an error).

@@ -44,7 +44,7 @@ from mmstore._rows.files import (
     select_files,
     where_of_file,
 )
-from mmstore._rows.runs import record_layouts, run_layouts
+from mmstore._rows.runs import record_columns, record_layouts, run_columns, run_layouts
 from mmstore._rows.snapshot import collected
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
@@ -108,8 +108,18 @@ def export(
     ]
     for run_id in sorted({f.run_id for f in selected}):  # the writers' family rule, there too
         record_layouts(target, run_id, run_layouts(store, run_id))
+        _declare_columns(store, target, run_id)
     commit_files(target, copied)
     return target
+
+
+def _declare_columns(store: Store, target: Store, run_id: str) -> None:
+    """A run's extra columns, in the export as in the store: its record, and the table's
+    Delta schema (so that Delta engines read the copied files' columns typed)."""
+    columns = run_columns(store, run_id)
+    if columns:
+        target.table.add_columns(pa.field(n, c.arrow_type) for n, c in columns.items())
+        record_columns(target, run_id, columns)
 
 
 def _collect_refs(store: Store, path: str, media: MediaUses) -> str:

@@ -259,7 +259,28 @@ MISSING_URIS = BatchKey(
     packed="list",
 )
 
-#: Per sample, from the rows (built by :func:`sample_fields` for collate and pack alike).
+POLICY_VERSIONS = BatchKey(
+    "policy_versions",
+    "int64",
+    "the policy version that generated each sample (its row's `policy_version`; -1 unknown); "
+    "packed: per token, -1 on filler",
+    padded="[B]",
+    packed="[1, T]",
+)
+COLUMNS = BatchKey(
+    "<column>",
+    "its declared dtype",
+    "each extra column asked for with `columns=[...]`, under its own name. Per token: "
+    "laid out like `input_ids` (zeros after each sample; packed: zeros on filler). Per "
+    'sample: one entry per sample (packed: per segment, 0 or `""` for filler); strings a '
+    "list",
+    padded="[B, T, *shape] or [B, *shape]",
+    packed="[1, T, *shape] or [S, *shape]",
+    of_family=lambda family: (),  # named by the reader's columns=, not the family
+)
+
+#: Per sample, from the rows (built by :func:`sample_fields` for collate and pack alike;
+#: ``policy_versions`` and the columns by :mod:`.extra`).
 SAMPLES = (
     SAMPLE_IDS,
     GROUP_IDS,
@@ -269,6 +290,8 @@ SAMPLES = (
     PROMPT_LENS,
     IMAGES_MISSING,
     MISSING_URIS,
+    POLICY_VERSIONS,
+    COLUMNS,
 )
 
 # -- the keys the loaders add --------------------------------------------------------------
@@ -369,11 +392,15 @@ BUILT = (*TOKENS, *LAYOUT, *FAMILY, *DISTINCT, *SAMPLES)
 INTERNAL = ("_pending_images", "_shared_buffers", "_raised")
 
 
-def built_keys(family: Family, form: Form, *, distinct_images: bool = False) -> tuple[str, ...]:
+def built_keys(
+    family: Family, form: Form, *, distinct_images: bool = False, columns: Sequence[str] = ()
+) -> tuple[str, ...]:
     """The keys collate (``"padded"``) or pack (``"packed"``) give a batch of ``family``'s
-    samples: packed ``logprobs`` only where every sample has them."""
+    samples (with the extra ``columns`` asked for): packed ``logprobs`` only where every
+    sample has them."""
     groups = BUILT if distinct_images else tuple(k for k in BUILT if k not in DISTINCT)
-    return tuple(name for key in groups if key.shape(form) for name in key.names(family))
+    names = tuple(name for key in groups if key.shape(form) for name in key.names(family))
+    return (*names, *columns)
 
 
 def loader_keys(loader: Literal["RolloutLoader", "LiveLoader"], form: Form) -> tuple[str, ...]:

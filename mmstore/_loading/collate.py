@@ -17,6 +17,7 @@ from mmstore._families import Family, expansion_array, video_half
 from mmstore._loading.batch_keys import sample_fields
 from mmstore._loading.device import collate_images
 from mmstore._loading.distinct import VIDEO_INDEX_KEY, VIDEO_ROWS_KEY, distinct, rows
+from mmstore._loading.extra import padded_columns
 from mmstore._loading.materialize import Materialized
 from mmstore._tensors import cast_floats
 from mmstore.errors import InvalidArgumentError
@@ -138,6 +139,7 @@ def collate(
         ),
         "logprobs": logprobs,
         **sample_fields(samples),
+        **padded_columns(samples, width),
         "dummy_image": extra is not None,
     }
 

@@ -561,7 +561,7 @@ class LiveLoader:
         would train a step while another raised on it, and a lock-step job would hang in
         its next collective. Read in the parent, every rank raises the same error at the
         same step (again on every call, until the file leaves the table: a released run)."""
-        table = read_units(self.store, followed.units)
+        table = read_units(self.store, followed.units, self.materialize.columns)
         window = row_window(self.store, self.adapter, self.max_len, table)
         for row in range(followed.first_row, window.num_rows):
             window.check(row)

@@ -54,6 +54,14 @@ def check_missing_policy(missing: str) -> None:
         )
 
 
+def _tensor(value: Any) -> Any:
+    """A column's value as the batch holds it: arrays as tensors (their own copy: the row's
+    are views of its window), numbers as tensors, strings as they are."""
+    if isinstance(value, str):
+        return value
+    return torch.from_numpy(np.array(value))
+
+
 def row_window(store: Store, adapter: Family, max_len: int | None, table: pa.Table) -> RowWindow:
     """The loader's checks over ``table``'s rows (``_file`` naming their file), for
     ``adapter``'s processor: what a worker checks before it builds a sample."""
@@ -149,6 +157,9 @@ class Materializer:
             advantage=row.advantage,
             images=[],
             where=row.where,
+            policy_version=row.policy_version,
+            columns={name: _tensor(value) for name, value in row.columns.items()},
+            token_columns=row.token_columns,
         )
         for index, ref in enumerate(row.images):
             where = {**row.where, "image_index": index}

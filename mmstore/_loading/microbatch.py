@@ -28,6 +28,7 @@ from mmstore._loading.collate import (
     token_types,
 )
 from mmstore._loading.device import collate_images
+from mmstore._loading.extra import packed_columns
 from mmstore._loading.materialize import Materialized
 from mmstore.errors import MmstoreError
 
@@ -135,6 +136,7 @@ def pack(
             distinct_videos=distinct_images,
         ),
         **sample_fields(samples, fillers=int(filler)),
+        **packed_columns(samples, lengths[len(samples) :]),
         "num_real_tokens": sum(lengths[: len(samples)]),
         "dummy_image": add_dummy,
     }

@@ -207,7 +207,7 @@ class UnitReader:
         materializer = self.source.get()
         window = self.units.get(unit)
         if window is None:
-            table = read_units(self.store, [unit])
+            table = read_units(self.store, [unit], self.source.columns)
             # Which worker packs which row is the plan's: any row may be another's.
             materializer.note_window(table, [table.num_rows])
             window = self.units[unit] = materializer.window(table)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mmstore._format.columns import check_name
 from mmstore._loading.materialize import DEFAULT_CACHE_BYTES, MissingPolicy, check_missing_policy
 from mmstore._loading.node_cache import DEFAULT_NODE_CACHE_BYTES, default_directory
 from mmstore._loading.options import flag, optional_whole, whole
@@ -49,6 +50,9 @@ class Materialize:
             ``"placeholder_zero_loss"`` (a zero image of the stored size, the sample kept
             out of the loss and counted in ``images_missing``).
         max_len: truncate samples to this many tokens (>= 1), whole images kept.
+        columns: extra columns the rows' runs declared (``store.writer(columns=...)``)
+            that each sample carries into the batch, by name (per token cut with the
+            tokens); no other column is read. Also taken as ``columns=`` by every reader.
 
     Per batch:
         pad_token_id: the token padding is filled with (>= 0); ``None``: the family's.
@@ -81,6 +85,7 @@ class Materialize:
     dtype: torch.dtype | str = torch.bfloat16
     missing: MissingPolicy = "error"
     max_len: int | None = None
+    columns: tuple[str, ...] = ()
     pad_token_id: int | None = None
     dummy_image: bool = False
     distinct_images: bool = False
@@ -96,6 +101,7 @@ class Materialize:
         checked = {
             "dtype": training_dtype(self.dtype),
             "max_len": optional_whole("max_len", self.max_len, minimum=1),
+            "columns": _column_names(self.columns),
             "pad_token_id": optional_whole("pad_token_id", self.pad_token_id, minimum=0),
             "dummy_image": flag("dummy_image", self.dummy_image),
             "distinct_images": flag("distinct_images", self.distinct_images),
@@ -189,6 +195,21 @@ def settings_from(
     unknown = sorted(set(flat) - set(accepted))
     if unknown:
         raise TypeError(f"{reader} got unexpected keyword argument(s) {unknown}")
+    flat = dict(flat)
+    columns = flat.pop("columns", None)  # a keyword of every reader, not a deprecated one
+    settings = _settings(materialize, flat, reader=reader, base=base)
+    if columns is None:
+        return settings
+    if settings.columns:
+        raise InvalidArgumentError(
+            f"{reader} got columns= and materialize=Materialize(columns=...): give one"
+        )
+    return settings.replace(columns=columns)
+
+
+def _settings(
+    materialize: Any, flat: Mapping[str, Any], *, reader: str, base: Materialize | None
+) -> Materialize:
     if materialize is not None and not isinstance(materialize, Materialize):
         raise InvalidArgumentError(
             f"materialize must be an mmstore.Materialize, got {type(materialize).__name__}"
@@ -242,6 +263,15 @@ def rank_and_world(rank: Any, world_size: Any) -> tuple[int, int]:
     if shard >= world:
         raise InvalidArgumentError(f"rank {shard} is outside world_size {world}")
     return shard, world
+
+
+def _column_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"columns must be a list of column names, got {value!r}")
+    names = tuple(dict.fromkeys(value))
+    for name in names:
+        check_name(name)
+    return names
 
 
 def _directory(name: str, value: Any) -> str | None:

@@ -105,6 +105,7 @@ class MaterializerSource:
     node_cache_bytes: int
     prefetch_requests: int | None
     prefetch_bytes: int
+    columns: tuple[str, ...] = ()  # the extra columns read with the rows
     # Built lazily, once per process: the caches live as long as the worker does.
     _built: Materializer | None = field(default=None, init=False, repr=False)
     _prefetcher: Prefetcher | None = field(default=None, init=False, repr=False)
@@ -126,6 +127,7 @@ class MaterializerSource:
             node_cache_bytes=node_bytes,
             prefetch_requests=settings.prefetch_requests,
             prefetch_bytes=settings.read_ahead_bound(store),
+            columns=settings.columns,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -196,7 +198,7 @@ class MaterializerSource:
             j = i
             while j < len(wanted) and at[j] < hi:
                 j += 1
-            table = read_units(spec.store, plan.windows[window])
+            table = read_units(spec.store, plan.windows[window], self.columns)
             order = block_permutation(
                 table.column("group_id").to_pylist(),
                 seed=spec.seed,

@@ -44,6 +44,7 @@ from mmstore._families import (
     layout_from_record,
     video_family_for_layout,
 )
+from mmstore._format.columns import Column, flat_values, footer_columns
 from mmstore._format.models import ImageRef, VideoRef
 from mmstore._format.schema import (
     FILE_COLUMN,
@@ -52,7 +53,12 @@ from mmstore._format.schema import (
     ROW_COLUMNS,
     check_schema_version,
 )
-from mmstore._rows.files import conform, decode_every_page, where_of_file
+from mmstore._rows.files import (
+    conform,
+    decode_every_page,
+    where_of_file,
+    with_declared_columns,
+)
 from mmstore._rows.invariants import check_spans, check_video_spans, truncation_point
 from mmstore.errors import (
     InvalidRolloutError,
@@ -97,6 +103,13 @@ class Sample(Generic[Array, Image]):
     where: dict[str, Any] = field(default_factory=dict)
     #: URIs of media found missing (the ``placeholder_zero_loss`` policy stood in for them)
     missing_uris: list[str] = field(default_factory=list)
+    #: the policy version that generated the row (-1: unknown)
+    policy_version: int = -1
+    #: the extra columns asked for, by name: per token ``[cut, *shape]`` (Array), per
+    #: sample a value (an Array of its shape, a number, a str)
+    columns: dict[str, Any] = field(default_factory=dict)
+    #: which of ``columns`` have a value per token
+    token_columns: frozenset[str] = frozenset()
 
 
 class RowWindow:
@@ -144,6 +157,8 @@ class RowWindow:
             zero_copy_only=False
         )
         self._fields_ok = self._rows_fine(col)
+        self._policy = _policy_versions(table)
+        self._extra = _ExtraColumns(table)
 
     def _rows_fine(self, col: dict[str, Any]) -> np.ndarray:
         """Per row, vectorized over the window: True if :meth:`_check_fields` would pass
@@ -202,6 +217,9 @@ class RowWindow:
             images=self.images.refs(lo, kept),
             videos=videos,
             where=where,
+            policy_version=int(self._policy[i]),
+            columns=self._extra.row(i, cut),
+            token_columns=self._extra.per_token,
         )
 
     def check(self, i: int) -> None:
@@ -353,6 +371,48 @@ class RowWindow:
         if prompt_len is None or not 0 <= prompt_len <= n:
             raise InvalidRolloutError(f"prompt_len {prompt_len} is not within the {n} tokens")
         return n
+
+
+def _policy_versions(table: pa.Table) -> np.ndarray:
+    """Each row's ``policy_version`` (-1 where unknown, or a table without the column)."""
+    if "policy_version" not in table.column_names:
+        return np.full(table.num_rows, -1, dtype=np.int64)
+    column = pc.fill_null(table.column("policy_version").combine_chunks(), -1)
+    return column.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+class _ExtraColumns:
+    """The declared columns a reader asked for (:func:`with_declared_columns` appended
+    them, checked, with the declaration in the schema's metadata), as numpy once per window:
+    a row's values are slices."""
+
+    def __init__(self, table: pa.Table) -> None:
+        declared = footer_columns(table.schema.metadata, where={})
+        self.per_token = frozenset(
+            n for n, c in declared.items() if c.per == "token" and n in table.column_names
+        )
+        self._values: dict[str, tuple[Column, np.ndarray | list[Any], np.ndarray | None]] = {}
+        for name, column in declared.items():
+            if name not in table.column_names:
+                continue
+            array = table.column(name).combine_chunks()
+            if column.dtype == "string":
+                self._values[name] = (column, array.to_pylist(), None)
+            elif column.per == "token":
+                offsets = array.offsets.to_numpy()
+                self._values[name] = (column, flat_values(array.values, column), offsets)
+            else:
+                self._values[name] = (column, flat_values(array, column), None)
+
+    def row(self, i: int, cut: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, (_, values, offsets) in self._values.items():
+            if offsets is not None:  # per token: cut with the tokens
+                start = int(offsets[i])
+                out[name] = values[start : start + cut]
+            else:
+                out[name] = values[i]
+        return out
 
 
 def _none(index: int) -> Family:
@@ -512,6 +572,8 @@ def read_checked(
     raw = decode_every_page(parquet, path)
     names = [n for n in ROLLOUT_SCHEMA.names if n in ROW_COLUMNS or n in raw.column_names]
     table = conform(raw, names, file=path)
+    declared = footer_columns(parquet.metadata.metadata, where=where_of_file(path))
+    table = with_declared_columns(table, raw, declared, file=path)
     if sample_ids is not None:  # Arrow filtering builds no row
         wanted = pa.array(sorted(sample_ids), pa.string())
         table = table.filter(pc.is_in(table.column("sample_id"), wanted))

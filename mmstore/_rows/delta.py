@@ -60,6 +60,7 @@ from mmstore._rows.entries import (
 )
 from mmstore._rows.log import LOG_COMMIT_ATTEMPTS, LOG_WRITER_VERSION, TableLog
 from mmstore.errors import (
+    InvalidArgumentError,
     MmstoreError,
     SchemaVersionError,
     TableConflictError,
@@ -454,8 +455,20 @@ class DeltaRsTable:
         from deltalake.exceptions import CommitFailedError, DeltaError
         from deltalake.transaction import CommitProperties
 
+        wanted = pa.schema(Schema.from_arrow(pa.schema(fields)).to_arrow())  # as Delta types
+
         def attempt(table: DeltaTable, retry: int) -> int | None:
-            names = set(pa.schema(table.schema().to_arrow()).names)
+            present = pa.schema(table.schema().to_arrow())
+            names = set(present.names)
+            for field in wanted:
+                if field.name in names and not present.field(field.name).type.equals(field.type):
+                    raise InvalidArgumentError(
+                        f"column {field.name!r} is {present.field(field.name).type} in the "
+                        f"table (another run declared it so), not {field.type}: a name has one "
+                        "type across runs; choose another name",
+                        table=self.uri,
+                        column=field.name,
+                    )
             missing = [f for f in fields if f.name not in names]
             if not missing:
                 return None

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from stat import S_ISREG
 from typing import Any
@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from mmstore._format.columns import META_COLUMNS, Column, encode, stored_column
 from mmstore._format.paths import check_logged_run, partition_of
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 from mmstore._progress import bar
@@ -35,6 +36,7 @@ from mmstore._storage.store import Storage
 from mmstore.errors import (
     CorruptFileError,
     InvalidArgumentError,
+    InvalidRolloutError,
     MmstoreError,
     NetworkError,
     RunNotFoundError,
@@ -490,3 +492,35 @@ def conform(table: pa.Table, columns: Sequence[str], *, file: str) -> pa.Table:
                 ) from None
         arrays.append(column)
     return pa.Table.from_arrays(arrays, names=list(columns))
+
+
+def with_declared_columns(
+    table: pa.Table, raw: pa.Table, columns: Mapping[str, Column], *, file: str
+) -> pa.Table:
+    """``table`` (conformed v1 columns) with ``columns`` of ``raw`` appended, each cast to
+    its declaration and checked: one value per token (per sample), of its shape. A column
+    the file lacks, or a bad value, is refused naming the file, run, step, sample and
+    column."""
+    if not columns:
+        return table
+    counts = pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False)
+    for name, column in columns.items():
+        if name not in raw.column_names:
+            raise CorruptFileError(
+                f"the rows of this file have no column {name!r} (their run declares none; "
+                "select runs that do)",
+                column=name,
+                **where_of_file(file),
+            )
+        array, bad, problem = stored_column(raw.column(name), column, counts)
+        if bad is not None:
+            sample_id = table.column("sample_id")[bad].as_py()
+            raise InvalidRolloutError(
+                f"column {name!r}: {problem}",
+                column=name,
+                **where_of_file(file),
+                sample_id=sample_id,
+            )
+        table = table.append_column(name, array)
+    # The declaration rides along (the schema's metadata): readers build values from it.
+    return table.replace_schema_metadata({META_COLUMNS: encode(columns)})

@@ -6,7 +6,7 @@ Pure functions: they read a row and the layouts of its images, and raise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from mmstore._families import (
     layout_for_fingerprint,
     video_family_for_layout,
 )
+from mmstore._format.columns import Column
 from mmstore._format.models import Rollout, VideoRef, list_array
 from mmstore.errors import ImageSizeError, InvalidArgumentError, InvalidRolloutError
 
@@ -352,8 +353,14 @@ def truncation_point(
     return cut, kept
 
 
-def truncate(rollout: Rollout, max_len: int) -> Rollout:
-    """A prefix of at most ``max_len`` tokens holding only whole images."""
+def truncate(
+    rollout: Rollout, max_len: int, *, columns: Mapping[str, Column] | None = None
+) -> Rollout:
+    """A prefix of at most ``max_len`` tokens holding only whole images; the per-token
+    values of its extra columns cut with the tokens. ``columns``: the run's declaration
+    (``writer.columns``), needed for a row with column values unless the row was read
+    back from a store (it knows its own)."""
+    declared = _declaration(rollout, columns)
     offsets = [ref.offset for ref in rollout.images]
     lengths = [ref.length for ref in rollout.images]
     cut, kept = truncation_point(offsets, lengths, len(rollout.tokens), max_len)
@@ -373,5 +380,20 @@ def truncate(rollout: Rollout, max_len: int) -> Rollout:
             "logprobs": None if rollout.logprobs is None else rollout.logprobs[:cut],
             "prompt_len": min(rollout.prompt_len, cut),
             "images": rollout.images[:kept],
+            "columns": {
+                name: value[:cut] if declared[name].per == "token" else value
+                for name, value in rollout.columns.items()
+            },
         }
     )
+
+
+def _declaration(rollout: Rollout, columns: Mapping[str, Column] | None) -> dict[str, Column]:
+    known = dict(columns if columns is not None else rollout.declared_columns)
+    missing = sorted(rollout.columns.keys() - known.keys())
+    if missing:
+        raise InvalidArgumentError(
+            f"truncate does not know whether the columns {missing} hold a value per token: "
+            "pass columns= (the run's declaration, writer.columns)"
+        )
+    return known

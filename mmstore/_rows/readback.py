@@ -10,7 +10,8 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from mmstore._format.models import Rollout, released
+from mmstore._format.columns import Column, footer_columns
+from mmstore._format.models import Rollout, table_to_rollouts
 from mmstore._rows.check import read_checked
 from mmstore._rows.files import check_run_id, open_rollout_file, select_files
 from mmstore._rows.snapshot import collected
@@ -44,7 +45,7 @@ def read_rollouts(
             if version is None or store.backend.stat(file.path) is not None:
                 raise
             raise collected(store, version, file.path) or exc from None
-        rows.extend(released(Rollout.model_validate(row)) for row in table.to_pylist())
+        rows.extend(table_to_rollouts(table, _declared(table)))
     missing = sorted(wanted - {r.sample_id for r in rows}) if wanted is not None else []
     if missing or not rows:
         what = f"sample ids {missing[:5]}" if missing else "rollouts"
@@ -59,6 +60,11 @@ def read_rollouts(
 
 def _ids(sample_ids: str | Iterable[str]) -> set[str]:
     return {sample_ids} if isinstance(sample_ids, str) else set(sample_ids)
+
+
+def _declared(table: pa.Table) -> dict[str, Column]:
+    """The declared columns :func:`_read` appended (the schema metadata keeps them)."""
+    return footer_columns(table.schema.metadata, where={})
 
 
 def _read(store: Storage, path: str, wanted: set[str] | None) -> pa.Table:

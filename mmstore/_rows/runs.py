@@ -31,14 +31,18 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mmstore._format.columns import Column, decode, encode
 from mmstore._storage.backends import FileStat
 from mmstore._storage.store import Storage
+from mmstore.errors import InvalidRolloutError
 
 RUNS = "runs"
 # How often (seconds) a writer process writes a run's records again (renewing them).
 RENEW_SECONDS = 600.0
-# A layout record's file name: the layout's fingerprint (what Layout.fingerprint gives).
-_RECORD_NAME = re.compile(r"^[0-9a-f]{16}\.json$")
+# A layout record's file name: the layout's fingerprint (what Layout.fingerprint gives); or
+# the run's column declaration (gc collects both alike).
+_RECORD_NAME = re.compile(r"^([0-9a-f]{16}|columns)\.json$")
+COLUMNS_RECORD = "columns.json"
 
 # (store root, run, fingerprint) -> when this process last wrote it (time.monotonic()).
 _RECORDED: dict[tuple[str, str, str], float] = {}
@@ -107,3 +111,49 @@ def run_layouts(storage: Storage, run_id: str) -> dict[str, dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("layout"), dict):
             found[str(record.get("fingerprint"))] = record["layout"]
     return found
+
+
+# -- the run's extra columns -----------------------------------------------------------------
+
+
+def run_columns(storage: Storage, run_id: str) -> dict[str, Column] | None:
+    """The extra columns ``run_id`` declared (its first writer with ``columns=``), or None
+    if it declared none yet."""
+    rel = f"{run_dir(run_id)}/{COLUMNS_RECORD}"
+    raw = storage.backend.read_if_present(rel)
+    if raw is None:
+        return None
+    return decode(raw, where={"run_id": run_id, "file": rel})
+
+
+def record_columns(storage: Storage, run_id: str, columns: Mapping[str, Column]) -> None:
+    """Record ``columns`` as ``run_id``'s declaration (put if absent, durable); a run that
+    declared other columns meanwhile is refused (:class:`InvalidRolloutError`)."""
+    rel = f"{run_dir(run_id)}/{COLUMNS_RECORD}"
+    if storage.backend.write_atomic(rel, encode(columns), replace=False):
+        storage.backend.sync([rel])
+        return
+    recorded = run_columns(storage, run_id) or {}
+    if recorded != dict(columns):
+        raise column_mismatch(run_id, recorded, columns)
+
+
+def column_mismatch(
+    run_id: str, recorded: Mapping[str, Column], given: Mapping[str, Column]
+) -> InvalidRolloutError:
+    differ = sorted(n for n in recorded.keys() | given.keys() if recorded.get(n) != given.get(n))
+    return InvalidRolloutError(
+        f"run {run_id!r} declares the columns {_listing(recorded)}, this writer "
+        f"{_listing(given)}: every file of a run has the columns its first writer declared "
+        "(write other columns to another run)",
+        run_id=run_id,
+        column=differ[0],
+    )
+
+
+def _listing(columns: Mapping[str, Column]) -> str:
+    if not columns:
+        return "none"
+    return ", ".join(
+        f"{n} ({c.per} {c.dtype}{list(c.shape) if c.shape else ''})" for n, c in columns.items()
+    )

@@ -4,9 +4,10 @@ the writer, read-back)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from mmstore._families import Family
+from mmstore._format.columns import Column
 from mmstore._format.models import Rollout
 from mmstore._format.schema import OPTIONAL_COLUMNS, ROLLOUT_SCHEMA
 from mmstore._rows.entries import LOG_DIR
@@ -127,6 +128,7 @@ class Store(Storage):
         adapter: Family | None = None,
         row_group_size: int | None = None,
         final: bool = False,
+        columns: Mapping[str, Column | str] | None = None,
     ) -> RolloutWriter:
         """A writer whose rows become visible atomically when its ``with`` block exits (one
         new table version). With ``producer`` and ``seq`` the commit happens at most once
@@ -134,6 +136,11 @@ class Store(Storage):
         ``final=True`` marks the producer's last commit to the run: a live loader that has
         followed the final commit of every run it follows trains what waits as a last,
         short step instead of waiting for more (commit nothing to the run after it).
+        ``columns`` declares the run's extra columns (``{"ref_logprobs":
+        mmstore.per_token("float32"), "difficulty": mmstore.per_sample("float32")}``, see
+        :mod:`mmstore._format.columns`): its first writer's declaration is the run's, a
+        writer declaring others is refused, one declaring none takes the run's; each row
+        carries exactly those (``Rollout(columns={...})``).
         Arguments are checked before anything is done (:class:`InvalidArgumentError`)."""
         writer = RolloutWriter(
             self,
@@ -144,6 +151,7 @@ class Store(Storage):
             producer=producer,
             seq=seq,
             final=final,
+            columns=columns,
         )
         self._add_new_columns()
         return writer

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +36,14 @@ from mmstore._families import (
     special_token_ids,
     video_half,
 )
+from mmstore._format.columns import (
+    META_COLUMNS,
+    Column,
+    column_array,
+    declared,
+    encode,
+    value_array,
+)
 from mmstore._format.models import (
     LIST_DTYPES,
     ImageRef,
@@ -47,9 +55,15 @@ from mmstore._format.models import (
 from mmstore._format.paths import check_partition, check_producer, part_path
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
 from mmstore._rows.invariants import check_rollout
-from mmstore._rows.runs import record_layouts, run_layouts
+from mmstore._rows.runs import (
+    column_mismatch,
+    record_columns,
+    record_layouts,
+    run_columns,
+    run_layouts,
+)
 from mmstore._rows.table import CommitResult, TableFile
-from mmstore._rows.versions import commit_files
+from mmstore._rows.versions import commit_files, table_of
 from mmstore._storage.store import Storage
 from mmstore.errors import InvalidArgumentError, InvalidRolloutError
 
@@ -99,6 +113,8 @@ def parquet_options() -> dict[str, Any]:
 
 
 _FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
+# (store root, declaration) whose columns this process has seen in the table's schema.
+_TABLE_COLUMNS: set[tuple[str, bytes]] = set()
 
 
 def _buffered(rollout: Rollout) -> dict[str, Any]:
@@ -116,8 +132,9 @@ def _buffered(rollout: Rollout) -> dict[str, Any]:
     return row
 
 
-def _table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Buffered rows as an Arrow table of the v1 schema, column by column."""
+def _table(rows: list[dict[str, Any]], extra: Mapping[str, Column]) -> pa.Table:
+    """Buffered rows as an Arrow table of the v1 schema and the ``extra`` columns the run
+    declares, column by column."""
     columns = []
     for field in ROLLOUT_SCHEMA:
         values = [row[field.name] for row in rows]
@@ -125,7 +142,15 @@ def _table(rows: list[dict[str, Any]]) -> pa.Table:
             columns.append(_list_array(values, field.type, LIST_DTYPES[field.name]))
         else:
             columns.append(pa.array(values, type=field.type))
-    return pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+    columns += [column_array([row[name] for row in rows], c) for name, c in extra.items()]
+    return pa.Table.from_arrays(columns, schema=file_schema(extra))
+
+
+def file_schema(extra: Mapping[str, Column]) -> pa.Schema:
+    """A rollout file's Arrow schema: the v1 schema, then the run's extra columns (nullable,
+    as the table's Delta schema has them: files of other runs lack them)."""
+    fields = [*ROLLOUT_SCHEMA, *(pa.field(n, c.arrow_type) for n, c in extra.items())]
+    return pa.schema(fields, metadata=ROLLOUT_SCHEMA.metadata)
 
 
 def _list_array(values: list[np.ndarray | None], type: pa.DataType, dtype: Any) -> pa.Array:
@@ -212,8 +237,10 @@ class RolloutWriter:
         producer: str | None = None,
         seq: int | None = None,
         final: bool = False,
+        columns: Mapping[str, Column | str] | None = None,
     ) -> None:
         check_partition(run_id, step)
+        given = declared(columns)
         if not isinstance(final, bool):
             raise InvalidArgumentError(f"final must be True or False, got {final!r}")
         self.final = final
@@ -251,6 +278,15 @@ class RolloutWriter:
         self._commit_id: str | None = None  # the encoded file's commit, the same on a retry
         self._file_layouts: dict[str, dict[str, Any]] = {}  # the encoded file's layouts
         self._closed = False
+        # The run's extra columns: the run's record if it has one (a writer declaring other
+        # columns is refused here, before any row), else what this writer declares.
+        recorded = run_columns(store, run_id)
+        if recorded is not None and given and recorded != given:
+            raise column_mismatch(run_id, recorded, given).with_context(step=step)
+        self.columns: dict[str, Column] = given if recorded is None else recorded
+        self._columns_recorded = recorded is not None
+        if self.columns:  # a name another run gave another type: refused before any row
+            self._table_columns()
 
     # -- writing -------------------------------------------------------------------------
 
@@ -296,6 +332,7 @@ class RolloutWriter:
         token_ids = self._placeholder_ids()
         try:
             check_rollout(rollout, lookup, image_token_ids=token_ids, video=self._video)
+            values = self._column_values(rollout)
         except InvalidRolloutError as exc:
             raise exc.with_context(**where) from None
         media: list[tuple[str, int, ImageRef | VideoRef]]
@@ -311,12 +348,36 @@ class RolloutWriter:
         self._layouts.update(used)
         self._sample_ids.add(rollout.sample_id)
         self._unsynced.update(ref.uri for _, _, ref in media)
-        self._pending.append(_buffered(rollout))
+        self._pending.append({**_buffered(rollout), **values})
         released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
         self._file_rows += 1
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
+
+    def _column_values(self, rollout: Rollout) -> dict[str, Any]:
+        """The row's values of the run's columns, as stored: exactly the declared names,
+        per-token ones with one value per token."""
+        given = rollout.columns
+        for name in sorted(given.keys() - self.columns.keys()):
+            raise InvalidRolloutError(
+                f"column {name!r} is not declared by run {self.run_id!r} (declared: "
+                f"{sorted(self.columns) or 'none'}): declare it with "
+                "store.writer(..., columns={name: mmstore.per_token(...)})",
+                column=name,
+            )
+        values = {}
+        for name, column in self.columns.items():
+            if name not in given:
+                raise InvalidRolloutError(
+                    f"column {name!r} (declared by run {self.run_id!r}) has no value in the row",
+                    column=name,
+                )
+            try:
+                values[name] = value_array(column, given[name], len(rollout.tokens))
+            except ValueError as exc:
+                raise InvalidRolloutError(f"column {name!r}: {exc}", column=name) from None
+        return values
 
     def write_many(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
@@ -357,11 +418,13 @@ class RolloutWriter:
         """Start encoding the pending rows as a row group (see :class:`_Encoding`)."""
         if not self._pending:
             return
-        table = _table(self._pending)
+        table = _table(self._pending, self.columns)
         self._finish_encoding()  # one row group in flight: row groups stay in order
         if self._parquet is None:
             self._sink = pa.BufferOutputStream()
-            self._parquet = pq.ParquetWriter(self._sink, ROLLOUT_SCHEMA, **parquet_options())
+            self._parquet = pq.ParquetWriter(
+                self._sink, file_schema(self.columns), **parquet_options()
+            )
         self._encoding = _Encoding(self._parquet, table, self.row_group_size)
         self._encoding.start()
         self._pending = []
@@ -408,6 +471,7 @@ class RolloutWriter:
         rel = part_path(self.run_id, self.step, self.writer_id, len(self.committed))
         # The run's families before its rows: a text-only writer of this run finds them.
         record_layouts(self.store, self.run_id, self._file_layouts)
+        self._declare_columns()
         written = self.store.backend.write_atomic(rel, self._encoded, replace=False)
         # A retry after a failure past the rename (the directory's fsync, the table commit)
         # finds its own file in place; any other file under this writer's unique name is not
@@ -437,6 +501,26 @@ class RolloutWriter:
         self.committed.append(rel)
         return rel
 
+    def _declare_columns(self) -> None:
+        """Before the first file with extra columns: the run's record, then the table's
+        Delta schema (once per process and store), so that Delta engines read them typed."""
+        if not self.columns:
+            return
+        self._table_columns()
+        if not self._columns_recorded:
+            record_columns(self.store, self.run_id, self.columns)
+            self._columns_recorded = True
+
+    def _table_columns(self) -> None:
+        """The table's Delta schema gets the run's columns (refused where another run gave
+        a name another type); once per process and store."""
+        key = (self.store.root, encode(self.columns))
+        if key not in _TABLE_COLUMNS:
+            table_of(self.store).add_columns(
+                file_schema(self.columns).field(n) for n in self.columns
+            )
+            _TABLE_COLUMNS.add(key)
+
     def _drop_duplicate(self, rel: str, result: CommitResult) -> None:
         """The table holds this (producer, run, seq) already with the same rows, in another
         file (a commit whose entry lists this file is this commit, never a duplicate):
@@ -462,6 +546,8 @@ class RolloutWriter:
         metadata = file_metadata(
             self.run_id, self.step, layouts, self._num_tokens, final=self.final
         )
+        if self.columns:
+            metadata[META_COLUMNS] = encode(self.columns)
         self._num_tokens = []
         self._parquet.add_key_value_metadata({k.decode(): v.decode() for k, v in metadata.items()})
         self._parquet.close()

@@ -182,12 +182,13 @@ class _Materialize:
             max_len=settings.max_len,
             cache_bytes=settings.cache_bytes,
         )
+        self.columns = settings.columns
         # The last row group read: its slices usually come to the same actor one by one.
         self._read: tuple[int, pa.Table] | None = None
 
     def _rows(self, unit: int) -> pa.Table:
         if self._read is None or self._read[0] != unit:
-            self._read = (unit, read_units(self.store, [self.units[unit]]))
+            self._read = (unit, read_units(self.store, [self.units[unit]], self.columns))
         return self._read[1]
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
@@ -213,6 +214,8 @@ class _Materialize:
             "loss_mask": sample.loss_mask.numpy(),
             "advantage": sample.advantage,
             "reward": sample.reward,
+            "policy_version": sample.policy_version,
+            **{k: v if isinstance(v, str) else v.numpy() for k, v in sample.columns.items()},
             **{k: _numpy(v) for k, v in images.items()},
             **{k: _numpy(v) for k, v in self.collate_videos(adapter, sample.videos).items()},
         }
@@ -221,7 +224,7 @@ class _Materialize:
 
 
 # What an actor applies of the Materialize settings (it materializes samples, not batches).
-APPLIED = ("dtype", "missing", "max_len", "cache_bytes")
+APPLIED = ("dtype", "missing", "max_len", "columns", "cache_bytes")
 
 
 def _settings(materialize: Any, flat: dict[str, Any]) -> Materialize:
@@ -232,7 +235,11 @@ def _settings(materialize: Any, flat: dict[str, Any]) -> Materialize:
 
     base = Materialize(dtype=torch.float32)
     settings = settings_from(
-        materialize, flat, reader="read_rollouts", base=base, accepted=("dtype", "missing")
+        materialize,
+        flat,
+        reader="read_rollouts",
+        base=base,
+        accepted=("dtype", "missing", "columns"),
     )
     settings.refuse_all_but(APPLIED, reader="read_rollouts")
     return settings
@@ -275,7 +282,8 @@ def read_rollouts(
     here, in the driver); the actors read them with the loader's checks.
 
     Columns: ``run_id`` (str), ``step`` (int), ``sample_id``, ``group_id``, ``input_ids``,
-    ``loss_mask``, ``advantage``, ``reward`` and the family's image tensors (numpy; floats
+    ``loss_mask``, ``advantage``, ``reward``, ``policy_version`` (-1 unknown), the extra
+    ``columns`` asked for (their own names) and the family's image tensors (numpy; floats
     as float32). Materialization runs in ``concurrency`` actors of ``num_cpus`` CPUs each
     (None: as many as the cluster holds, up to :data:`DEFAULT_ACTORS`; more than it holds
     raises :class:`InvalidArgumentError`), each call on at most ``batch_size`` rows;
@@ -284,7 +292,7 @@ def read_rollouts(
     own class (see the module's docstring).
 
     ``materialize``: a :class:`mmstore.Materialize` (its ``dtype``, ``missing``,
-    ``max_len`` and ``cache_bytes`` apply; other settings moved from their defaults are
+    ``max_len``, ``columns`` and ``cache_bytes`` apply; other settings moved from their defaults are
     refused); ``None``: its defaults with ``dtype=float32``. For one release ``dtype=`` and
     ``missing=`` are also taken as flat keywords.
     """

@@ -44,12 +44,13 @@ from mmstore._families import (
     video_family_for_layout,
 )
 from mmstore._format.media import upright_bytes
-from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, Rollout, VideoRef
+from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, MediaRef, Rollout, VideoRef
 from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._rows.check import MAX_ROW_IMAGES, MAX_ROW_TOKENS
 from mmstore._rows.invariants import check_video_spans
 from mmstore._rows.store import Store
-from mmstore.errors import InvalidRolloutError, MmstoreError, RefRefused
+from mmstore.errors import InvalidArgumentError, InvalidRolloutError, MmstoreError, RefRefused
+from mmstore.integrations._generation import Completion, completion_rollouts, topk_columns
 from mmstore.integrations._resolver import (
     DEFAULT_CACHE_BYTES,
     Materialized,
@@ -63,6 +64,8 @@ R = TypeVar("R", ImageRef, VideoRef)
 Size = tuple[int, int]
 
 __all__ = [
+    "rollouts",
+    "topk_columns",
     "DEFAULT_CACHE_BYTES",
     "Materialized",
     "RefRefused",
@@ -375,3 +378,79 @@ def _verified(
             uri=ref.uri,
         )
     return value
+
+
+# -- generation outputs -> rows ----------------------------------------------------------
+
+
+def rollouts(
+    output: Any,
+    adapter: Family,
+    images: Sequence[MediaRef] = (),
+    videos: Sequence[MediaRef] = (),
+    *,
+    group_id: str | None = None,
+    sample_ids: Sequence[str] | None = None,
+    policy_version: int | None = None,
+    topk: int | None = None,
+    frames: Sequence[Sequence[int]] | None = None,
+    **fields: Any,
+) -> list[Rollout]:
+    """One :class:`Rollout` per completion of a vLLM ``RequestOutput`` (a GRPO group: the
+    request's ``n`` completions). ``output.prompt_token_ids`` hold the prompt's media spans
+    expanded (vLLM expands them), located for ``images``/``videos`` (the media of the
+    prompt, in order, as the store holds them: ``store.put_image`` of what was sent) by
+    :meth:`Family.locate`; each completion's ``token_ids`` are trained on, with the logprob
+    vLLM gave each sampled token (``SamplingParams(logprobs=k)``; without, no logprobs).
+    ``topk``: also the top-``topk`` ids and logprobs at each position, as the per-token
+    columns ``topk_ids``/``topk_logprobs`` (declare them: ``columns=topk_columns(k)``).
+    Other ``fields`` (``reward``, ``metadata``...) go to every row.
+
+    Read from vLLM's documented shapes: ``CompletionOutput.token_ids`` and ``.logprobs``, a
+    list (one per generated token) of mappings token id -> ``Logprob`` (``.logprob``,
+    ``.rank``), holding the sampled token and the top-k by rank.
+    """
+    completions = [_completion(c, topk) for c in output.outputs]
+    return completion_rollouts(
+        adapter,
+        list(output.prompt_token_ids),
+        completions,
+        images=images,
+        videos=videos,
+        frames=frames,
+        sample_ids=sample_ids,
+        group_id=group_id,
+        policy_version=policy_version,
+        **fields,
+    )
+
+
+def _completion(output: Any, topk: int | None) -> Completion:
+    tokens = [int(t) for t in output.token_ids]
+    positions = output.logprobs
+    if positions is None:
+        if topk:
+            raise InvalidArgumentError(
+                "topk= needs the completions' logprobs: sample with SamplingParams(logprobs=k)"
+            )
+        return Completion(tokens)
+    positions = list(positions)
+    if len(positions) != len(tokens):
+        raise InvalidRolloutError(
+            f"the completion has {len(tokens)} tokens and {len(positions)} logprob entries"
+        )
+    sampled = [float(p[t].logprob) for p, t in zip(positions, tokens, strict=True)]
+    if not topk:
+        return Completion(tokens, sampled)
+    ids = np.zeros((len(tokens), topk), np.int32)
+    values = np.full((len(tokens), topk), -np.inf, np.float32)
+    for i, position in enumerate(positions):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:topk]
+        if len(ranked) < topk:
+            raise InvalidArgumentError(
+                f"position {i} holds {len(ranked)} logprobs, fewer than topk={topk}: sample "
+                f"with SamplingParams(logprobs={topk})"
+            )
+        ids[i] = [token for token, _ in ranked]
+        values[i] = [lp.logprob for _, lp in ranked]
+    return Completion(tokens, sampled, (ids, values))
