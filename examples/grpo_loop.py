@@ -25,8 +25,10 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from itertools import compress
 from typing import Any
@@ -298,6 +300,8 @@ def rollout_async(args: argparse.Namespace) -> None:
     it is producer ``rollout``, the step its seq)."""
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     store = mmstore.Store.open(args.store, create=True)
     model, processor, wrap = build_model(args.family)
     done = store.table.producer_seq("rollout")
@@ -313,6 +317,31 @@ def rollout_async(args: argparse.Namespace) -> None:
         print(json.dumps({"rollout": n, "policy": policy}), flush=True)
 
 
+def kill_with_parent() -> None:
+    """In a child before it runs (``Popen(preexec_fn=...)``): on Linux the kernel sends it
+    SIGKILL when its parent dies (``PR_SET_PDEATHSIG``; a SIGKILLed parent runs no cleanup)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def die_with_parent(parent: int) -> None:
+    """A rollout child started by the trainer dies with it (armed by :func:`kill_with_parent`
+    before it started, on Linux; elsewhere this thread notices the parent is gone within a
+    second). An orphan would go on committing steps nobody trains, beside the trainer a
+    restart starts."""
+    if os.getppid() != parent:  # the parent died already
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def wait_for_weights(args: argparse.Namespace, version: int) -> dict[str, Any]:
     path = weights_path(args, version)
     deadline = time.monotonic() + args.timeout
@@ -323,7 +352,7 @@ def wait_for_weights(args: argparse.Namespace, version: int) -> dict[str, Any]:
     return torch.load(path)
 
 
-def train_async(args: argparse.Namespace) -> dict[str, Any]:
+def train_async(args: argparse.Namespace, other_side: Any = None) -> dict[str, Any]:
     """The trainer: optimizer step ``s`` trains the next ``batch_size`` samples the rollout
     side committed (a LiveLoader: waits for them, exactly once across restarts), then
     publishes its weights for the rollout side and checkpoints model, optimizer and loader
@@ -356,14 +385,15 @@ def train_async(args: argparse.Namespace) -> dict[str, Any]:
     with live:
         for step in range(live.step, total):
             ids: list[str] = []
-            step_loss = 0.0
-            for batch in live.next_step(policy_version=step, timeout=args.timeout):
+            step_loss, stale, started = 0.0, 0, time.monotonic()
+            for batch in next_step(live, step, args.timeout, other_side):
                 # The step's own sample count (all ranks; one here): a step cut short by
                 # stale groups, or the run's last step, is still a mean over its samples.
                 loss = micro_loss(model, batch, live.model_input_names, batch["step_samples"],
                                   args.clip)  # fmt: skip
                 loss.backward()
                 step_loss += float(loss.detach())
+                stale = batch["stale_samples"]
                 ids += compress(batch["sample_ids"], (~batch["is_filler"]).tolist())
             opt.step()
             opt.zero_grad()
@@ -372,14 +402,44 @@ def train_async(args: argparse.Namespace) -> dict[str, Any]:
             state = dict(model=model.state_dict(), opt=opt.state_dict(), step=step + 1,
                          loader=live.state_dict(), trained=trained)  # fmt: skip
             save_checkpoint(args.ckpt, {**state, "finished": step + 1 == total})
-            report = {"step": step + 1, "loss": step_loss, "samples": len(ids)}
+            prune_weights(args, step + 1)
+            report = {"step": step + 1, "loss": step_loss, "samples": len(ids),
+                      "stale_samples": stale,
+                      "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
             print(json.dumps(report), flush=True)
     return {"step": total, "trained": trained, "finished": False}
+
+
+def next_step(live: Any, step: int, timeout: float, other_side: Any) -> Any:
+    """The step's micro-batches; waiting a second at a time, so that a rollout side that
+    died (``other_side``, its process) is noticed within a second instead of ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return live.next_step(policy_version=step, timeout=1 if other_side else timeout)
+        except mmstore.LiveTimeoutError:
+            if other_side is not None and other_side.poll() is not None:
+                raise SystemExit(
+                    f"the rollout process (pid {other_side.pid}) exited with "
+                    f"{other_side.returncode} before committing step {step}'s samples"
+                ) from None
+            if time.monotonic() > deadline:
+                raise
 
 
 def publish(args: argparse.Namespace, model: torch.nn.Module, version: int) -> None:
     os.makedirs(os.path.dirname(weights_path(args, version)), exist_ok=True)
     save_checkpoint(weights_path(args, version), model.state_dict())
+
+
+def prune_weights(args: argparse.Namespace, newest: int) -> None:
+    """Delete published weights the rollout side can no longer ask for: it generates step
+    ``n >= newest`` from the weights of ``n - K``, so versions below ``newest - K`` go."""
+    for version in range(max(0, newest - args.async_level - 1), -1, -1):
+        path = weights_path(args, version)
+        if not os.path.exists(path):
+            break  # pruned before, with everything older
+        os.remove(path)
 
 
 def run_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -389,13 +449,18 @@ def run_async(args: argparse.Namespace) -> dict[str, Any]:
         return {"finished": True}
     if args.role == "train":
         return train_async(args)
-    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--role", "rollout"]
-    rollout = subprocess.Popen(command)
+    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--role", "rollout",
+               "--parent-pid", str(os.getpid())]  # fmt: skip
+    rollout = subprocess.Popen(command, preexec_fn=kill_with_parent)
     try:
-        result = train_async(args)
-    finally:
+        result = train_async(args, other_side=rollout)
+        # Trained to the end: the rollout side committed its final step, so it exits too.
         if rollout.wait(timeout=args.timeout):
             raise SystemExit(f"the rollout process failed ({rollout.returncode})")
+    finally:
+        if rollout.poll() is None:  # the trainer failed: never leave the other side behind
+            rollout.kill()
+            rollout.wait()
     return result
 
 
@@ -422,7 +487,10 @@ def replay(args: argparse.Namespace, dest: str) -> tuple[float, float]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--store", default="runs/grpo-store")
     p.add_argument("--ckpt", default="runs/grpo-ckpt.pt")
     p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2-vl")
@@ -450,11 +518,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --async-level: run only this side (default: both)",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the other side")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # the trainer's child
     return p.parse_args(argv)
+
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """The first JSON line: what this process is."""
+    mode = "sync" if args.async_level is None else f"async (K={args.async_level})"
+    return {
+        "store": args.store,
+        "ckpt": args.ckpt,
+        "family": args.family,
+        "mode": mode,
+        "role": args.role or ("both" if args.async_level is not None else "both, in turn"),
+    }
 
 
 if __name__ == "__main__":
     args = parse()
+    print(json.dumps({"header": header(args)}), flush=True)
     result = train(args) if args.async_level is None else run_async(args)
     if not result["finished"]:
         print(json.dumps({"done": result["step"]}), flush=True)

@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from mmstore import debug, errors, synth, wire
+from mmstore import chat, debug, errors, synth, wire
 from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
 from mmstore._families.qwen_vl import QwenVL
 from mmstore._format.columns import Column, per_sample, per_token
@@ -156,6 +156,7 @@ __all__ = [
     "adapter_for",
     "known_families",
     "register_family",
+    "chat",
     "check_rollout",
     "debug",
     "errors",

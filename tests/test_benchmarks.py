@@ -83,3 +83,20 @@ def test_table_benchmark_smoke():
                 "s3_listing_over_delta_latest", "s3_30ms_rename_over_log",
                 "s3_30ms_listing_over_delta_latest"):  # fmt: skip
         assert result[key] > 0, key
+
+
+def test_columns_benchmark_smoke():
+    """Issue 40's extra columns: a loader asking for none reads what it reads without them
+    (Parquet projection), asking for them reads them, and every figure was measured."""
+    from benchmarks import bench_columns
+
+    result = bench_columns.run(scale=0.05, reps=1)
+    read = result["read"]
+    assert abs(result["unasked_over_plain"] - 1) <= 0.02
+    assert read["unasked"]["batches"] == read["plain"]["batches"] == read["asked"]["batches"] > 0
+    assert result["asked_over_plain"] > 10  # the columns asked for are the bulk of the bytes
+    for name in bench_columns.COLUMNS:
+        disk = result["disk"][name]
+        assert disk["codec"] == ["ZSTD"] and 0 < disk["disk_over_raw"] <= 1.3, name
+    assert result["write_with_over_without"] > 0
+    assert "bytes read per batch" in bench_columns.table(result)

@@ -76,6 +76,8 @@ def assert_padded(batch, rows):
         assert batch["difficulty"][i].item() == row.columns["difficulty"]
         assert batch["env"][i] == row.columns["env"]
         assert batch["policy_versions"][i].item() == row.policy_version
+        # where it was written: the producer's step (issue 42), not the trainer's
+        assert (batch["run_ids"][i], batch["store_steps"][i].item()) == ("run", int(sid[1]))
 
 
 def assert_packed(batch, rows):
@@ -86,6 +88,7 @@ def assert_packed(batch, rows):
             assert not batch["ref_logprobs"][0, lo:hi].any()
             assert (batch["policy_versions"][0, lo:hi] == -1).all()
             assert batch["env"][segment] == ""
+            assert (batch["run_ids"][segment], batch["store_steps"][segment]) == (None, -1)
             continue
         row = rows[sid]
         for name in ("ref_logprobs", "topk_ids", "experts"):
@@ -93,6 +96,7 @@ def assert_packed(batch, rows):
         assert batch["difficulty"][segment].item() == row.columns["difficulty"]
         assert batch["env"][segment] == row.columns["env"]
         assert (batch["policy_versions"][0, lo:hi] == row.policy_version).all()
+        assert batch["store_steps"][segment].item() == int(sid[1])
 
 
 def settings(**changes) -> mmstore.Materialize:

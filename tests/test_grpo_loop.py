@@ -7,12 +7,14 @@ Every run is a subprocess (the loop as a user runs it); a run is mostly interpre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,11 @@ def loop(tmp: Path, *args: str, kill_at: int | None = None) -> list[dict[str, An
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
-        lines.append(json.loads(line))
+        entry = json.loads(line)
+        if "header" in entry:  # the first line says what the process is
+            assert not lines and entry["header"]["store"] == str(tmp / "store")
+            continue
+        lines.append(entry)
         if kill_at is not None and lines[-1].get("step") == kill_at:
             proc.send_signal(signal.SIGKILL)
             break
@@ -158,3 +164,71 @@ def test_the_async_loop_survives_sigkill_of_either_side_bit_for_bit(tmp_path):
     store = mmstore.Store.open(killed / "store")
     assert store.table.producer_seq("rollout") == 3  # each step committed once
     assert len(store.rollouts("async")) == 16
+
+
+def test_the_async_sides_die_together_and_a_finished_run_exits_0(tmp_path):
+    """Issue 42: the rollout child dies with its SIGKILLed parent (no orphan commits steps
+    later), a rollout side that dies is noticed by the trainer within seconds, naming it,
+    and a run trained to the end exits 0."""
+    base = ["--store", str(tmp_path / "store"), "--ckpt", str(tmp_path / "ckpt.pt"),
+            "--async-level", "1", "--gens", "1", "--steps-per-gen", "2",
+            "--timeout", "120"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MMSTORE_PROGRESS": "0"}
+
+    def start(*extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(EXAMPLE), *base, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+        return found
+
+    def alive(pid: int) -> bool:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return False
+
+    parent = start()
+    assert json.loads(parent.stdout.readline())["header"]["mode"] == "async (K=1)"
+    deadline = time.monotonic() + 60
+    while not (kids := children(parent.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kids, "the trainer started no rollout process"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    time.sleep(5)
+    assert not [k for k in kids if alive(k)], "the rollout child outlived its parent"
+
+    parent = start()  # again: resumes; now kill the child instead
+    parent.stdout.readline()
+    deadline = time.monotonic() + 60
+    while not (kids := children(parent.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(kids[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    rc = parent.wait(timeout=60)
+    err = parent.stderr.read()
+    if rc != 0:  # unless the trainer had finished already, it noticed within seconds
+        assert time.monotonic() - killed_at < 10
+        assert "rollout process" in err and str(kids[0]) in err, err
+
+    finished = start()  # a run trained to the end (again, if needed) exits 0
+    out, err = finished.communicate(timeout=300)
+    assert finished.returncode == 0, err
+    again = start()
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert '"finished"' in out
+    weights = sorted(os.listdir(tmp_path / "ckpt.pt.weights"))
+    assert weights == ["1.pt", "2.pt"], weights  # the rollout side can ask for no other

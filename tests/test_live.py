@@ -709,3 +709,52 @@ def test_a_forged_row_in_one_ranks_share_stops_every_rank_alike(tmp_path, max_to
             live.next_step(timeout=0)
         assert live.stats()["removed_samples"] == 2
         live.close()
+
+
+# -- a released final commit; released rows never seen (found by the kill tests) ----------
+
+
+def test_a_resume_past_a_released_final_commit_ends_and_counts_as_the_uninterrupted_run(
+    tmp_path,
+):
+    """Run B's final commit is released: a loader that saw it before the release and one
+    resumed from a state taken before it both learn that B ended (from the log: the file is
+    gone) and train A's last short step; and both count B's rows as removed, the resumed
+    one from the log's row counts (it never saw the rows)."""
+    from tests.store_workers import small_adapter
+
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = small_adapter()
+
+    def commit(run, step, ids, final=False):
+        with store.writer(run, step, final=final) as w:
+            w.write_many([make_row(adapter, [], s, group_id=s) for s in ids])
+
+    def loader():
+        return mmstore.LiveLoader(
+            store, live_workers.processor(), runs=["A", "B"], batch_size=8, max_tokens=None
+        )
+
+    def drain(live):
+        out = []
+        while True:
+            try:
+                out += [s for b in live.next_step(timeout=2) for s in b["sample_ids"]]
+            except mmstore.LiveFinishedError:
+                return sorted(out), live.stats()["removed_samples"]
+
+    commit("A", 0, ["a0", "a1"])
+    live = loader()
+    with pytest.raises(mmstore.LiveTimeoutError):
+        live.next_step(timeout=0)
+    state = live.state_dict()
+    commit("B", 0, ["b0", "b1"], final=True)
+    with pytest.raises(mmstore.LiveTimeoutError):
+        live.next_step(timeout=0)
+    mmstore.release_run(store, "B", grace_seconds=0)
+    commit("A", 1, ["a2"], final=True)
+    expected = (["a0", "a1", "a2"], 2)
+    assert drain(live) == expected
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert drain(resumed) == expected

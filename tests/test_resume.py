@@ -183,3 +183,25 @@ def test_set_epoch_to_another_epoch_starts_it_over(filled, small_processor):
     assert head + rest == whole
     with pytest.raises(mmstore.InvalidArgumentError):
         loader.set_epoch(-1)
+
+
+def test_a_new_iterator_starts_the_epoch_over_unless_a_state_was_loaded(filled, small_processor):
+    """Issue 42, as torchdata's StatefulDataLoader: a peek (``next(iter(loader))``) or a
+    loop left early loses no batch (the next iterator starts the epoch over); a state
+    loaded applies to the next iterator, which continues from it."""
+    loader = mmstore.RolloutLoader(dataset(filled, small_processor), batch_size=4)
+    whole = [batch_key(b) for b in loader]
+    assert len(whole) == len(loader) > 3
+    loader.set_epoch(0)
+    peeked = batch_key(next(iter(loader)))
+    assert peeked == whole[0]
+    assert [batch_key(b) for b in loader] == whole  # the peeked batch too
+    loader.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            state = loader.state_dict()
+            break
+    assert [batch_key(b) for b in loader] == whole  # left early: over again
+    loader.set_epoch(0)
+    loader.load_state_dict(state)
+    assert [batch_key(b) for b in loader] == whole[3:]  # loaded: continues

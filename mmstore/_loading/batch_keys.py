@@ -267,6 +267,21 @@ POLICY_VERSIONS = BatchKey(
     padded="[B]",
     packed="[1, T]",
 )
+RUN_IDS = BatchKey(
+    "run_ids",
+    "list[str | None]",
+    "the run each sample was written to; packed: `None` for the filler segment",
+    padded="[B]",
+    packed="[S]",
+)
+STORE_STEPS = BatchKey(
+    "store_steps",
+    "int64",
+    "the store step each sample was written at (`store.writer(run_id, step)`: the "
+    "producer's step, not the trainer's); packed: -1 for the filler segment",
+    padded="[B]",
+    packed="[S]",
+)
 COLUMNS = BatchKey(
     "<column>",
     "its declared dtype",
@@ -291,6 +306,8 @@ SAMPLES = (
     IMAGES_MISSING,
     MISSING_URIS,
     POLICY_VERSIONS,
+    RUN_IDS,
+    STORE_STEPS,
     COLUMNS,
 )
 

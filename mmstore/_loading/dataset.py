@@ -475,6 +475,7 @@ class RolloutLoader:
         )
         self.epoch = dataset.epoch
         self.batches_yielded = 0
+        self._resume = False  # set by load_state_dict: the next iterator continues
         self._refuse_an_empty_epoch()
         self._device_stage = self._device_stage_for(settings.preprocess_device)
         self.preprocess_device = None if self._device_stage is None else self._device_stage.device
@@ -623,6 +624,12 @@ class RolloutLoader:
         return batch if self._device_stage is None else self._device_stage(batch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # As torchdata's StatefulDataLoader: a state loaded applies to the next iterator,
+        # which continues from it; any other new iterator starts the epoch over, so that a
+        # peek (next(iter(loader))) or a loop left early loses no batch.
+        if not self._resume:
+            self.batches_yielded = 0
+        self._resume = False
         total = len(self)
         stream = self._stream(self.epoch, self.batches_yielded, total)
         buffers = self._batch_buffers()
@@ -731,3 +738,4 @@ class RolloutLoader:
         self.dataset.use_snapshot(state["files"], state.get("table_version"))
         self.epoch = int(state["epoch"])
         self.batches_yielded = int(state["batches_yielded"])
+        self._resume = True  # the next iterator continues from here

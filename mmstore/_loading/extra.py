@@ -6,6 +6,8 @@ after each sample; packed, ``[1, T, *shape]``, one segment after another, zeros 
 Per-sample columns are one entry per sample (packed: per segment, zero or ``""`` for
 filler): a tensor ``[B, *shape]``, or a list for strings. ``policy_versions`` is the row's
 ``policy_version`` (-1 unknown): padded ``[B]``, packed per token ``[1, T]`` (-1 on filler).
+``run_ids`` and ``store_steps`` say where each sample was written (the producer's step, not
+the trainer's).
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from mmstore._rows.check import Sample
 from mmstore.errors import InvalidRolloutError
 
 POLICY_VERSIONS = "policy_versions"
+RUN_IDS, STORE_STEPS = "run_ids", "store_steps"
 FILLER_VERSION = -1
 
 
 def padded_columns(samples: Sequence[Sample[Any, Any]], width: int) -> dict[str, Any]:
-    """The padded batch's columns and ``policy_versions`` (``width``: its token axis)."""
+    """The padded batch's columns, ``policy_versions`` and each sample's run and store
+    step (``width``: its token axis)."""
     out: dict[str, Any] = {
-        POLICY_VERSIONS: torch.tensor([s.policy_version for s in samples], dtype=torch.int64)
+        POLICY_VERSIONS: torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
+        **origins(samples, 0),
     }
     for name in _names(samples):
         values = [s.columns[name] for s in samples]
@@ -50,7 +55,10 @@ def packed_columns(
     segments, then a filler segment of each of ``filler_lengths`` tokens."""
     versions = [torch.full((len(s.input_ids),), s.policy_version) for s in samples]
     versions += [torch.full((n,), FILLER_VERSION) for n in filler_lengths]
-    out: dict[str, Any] = {POLICY_VERSIONS: torch.cat(versions).to(torch.int64)[None]}
+    out: dict[str, Any] = {
+        POLICY_VERSIONS: torch.cat(versions).to(torch.int64)[None],
+        **origins(samples, len(filler_lengths)),
+    }
     for name in _names(samples):
         values = [s.columns[name] for s in samples]
         if isinstance(values[0], str):
@@ -65,6 +73,19 @@ def packed_columns(
         ]
         out[name] = torch.cat(values + fill)[None] if per_token else torch.stack(values + fill)
     return out
+
+
+def origins(samples: Sequence[Sample[Any, Any]], fillers: int) -> dict[str, Any]:
+    """Where each sample was written: its run (``run_ids``) and the producer's step
+    (``store_steps``, the ``step`` of ``store.writer(run_id, step)``; not the trainer's
+    step), then ``fillers`` filler entries (None, -1)."""
+    steps = [s.where.get("step") for s in samples]
+    return {
+        RUN_IDS: [s.where.get("run_id") for s in samples] + [None] * fillers,
+        STORE_STEPS: torch.tensor(
+            [-1 if step is None else step for step in steps] + [-1] * fillers, dtype=torch.int64
+        ),
+    }
 
 
 def _names(samples: Sequence[Sample[Any, Any]]) -> list[str]:

@@ -534,6 +534,8 @@ class LiveLoader:
     def _follow(self) -> None:
         """Add the groups of every file committed to the followed runs since last time."""
         polled = self._follower.poll()
+        self._finished |= polled.finished
+        self._stats["removed_samples"] += polled.removed_rows
         if polled.removed:
             self._drop_removed(polled.removed)
         self._unchecked.extend(polled.files)

@@ -43,6 +43,7 @@ from mmstore._format.paths import store_path, table_path
 from mmstore._format.schema import ROLLOUT_SCHEMA
 from mmstore._rows.entries import (
     COMMIT_ID_KEY,
+    FINAL_KEY,
     PARTITION_COLUMNS,
     ROWS_DIGEST_KEY,
     CommitResult,
@@ -356,6 +357,7 @@ class DeltaRsTable:
         seq: int | None,
         digest: str | None = None,
         absent_since: int | None = None,
+        final: bool = False,
     ) -> CommitResult:
         """Add ``files`` in one delta-rs transaction, exactly once per ``(producer, run,
         seq)`` if given, leaving out files added after ``absent_since`` if given (see
@@ -393,6 +395,7 @@ class DeltaRsTable:
                 commit_id,
                 transaction,
                 digest=digest,
+                final=final,
                 # Each attempt checks the files again: delta-rs must not retry blindly.
                 retries=DELTA_COMMIT_RETRIES if absent_since is None else 0,
             )
@@ -520,6 +523,7 @@ class DeltaRsTable:
         transaction: tuple[str, int] | None,
         *,
         digest: str | None = None,
+        final: bool = False,
         retries: int = DELTA_COMMIT_RETRIES,
     ) -> None:
         from deltalake import Transaction
@@ -539,6 +543,7 @@ class DeltaRsTable:
                 custom_metadata={
                     COMMIT_ID_KEY: commit_id,
                     **({} if digest is None else {ROWS_DIGEST_KEY: digest}),
+                    **({FINAL_KEY: "true"} if final else {}),
                 },
                 max_commit_retries=retries,
                 app_transactions=transactions,

@@ -29,6 +29,9 @@ COMMIT_ID_KEY = "mmstore.commitId"
 # What an exactly-once commit committed, in its commitInfo: a digest of its rows (the
 # writer's: the step and the sorted sample ids), compared when the same pair comes again.
 ROWS_DIGEST_KEY = "mmstore.rowsDigest"
+# "true" in the commitInfo of a producer's final commit to its run (``writer(final=True)``):
+# a follower learns that the run ended from the log, even if the file is released since.
+FINAL_KEY = "mmstore.final"
 LOG_DIR = f"{ROLLOUTS}/_delta_log"
 
 
@@ -112,6 +115,8 @@ class LogEntry:
     # Replaying keeps them (the version lists the new file); a follower never trains such an
     # add again, nor takes such a remove for rows gone.
     rearranged: frozenset[str] = frozenset()
+    # a producer's final commit to its run (the runs of its adds ended with it)
+    final: bool = False
 
 
 PRODUCER_KEY_PREFIX = "run_id="
@@ -148,6 +153,7 @@ def append_entry(
     app: str | None,
     seq: int | None,
     digest: str | None = None,
+    final: bool = False,
 ) -> str:
     """One commit's log entry (newline-delimited JSON actions, as Delta's protocol has
     them): a commitInfo (with its timestamp, mmstore's commit id and the rows' digest if
@@ -163,6 +169,8 @@ def append_entry(
     }
     if digest is not None:
         info[ROWS_DIGEST_KEY] = digest
+    if final:
+        info[FINAL_KEY] = "true"
     actions: list[dict[str, Any]] = [{"commitInfo": info}]
     if app is not None:
         actions.append({"txn": {"appId": app, "version": seq, "lastUpdated": now}})
@@ -325,6 +333,7 @@ def parse_entry(version: int, text: str, *, table: str | None = None) -> LogEntr
         info.get("operation"),
         stamp if isinstance(stamp, int) and not isinstance(stamp, bool) else None,
         frozenset(rearranged),
+        final=info.get(FINAL_KEY) == "true",
     )
 
 

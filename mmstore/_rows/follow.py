@@ -113,6 +113,12 @@ class Polled:
 
     files: list[FollowedFile]
     removed: frozenset[str]
+    #: followed runs whose producer's final commit these versions hold (from the log: known
+    #: even where the file was released since)
+    finished: frozenset[str] = frozenset()
+    #: rows of followed files these versions added and a later one removed: never handed
+    #: over, never trained (counted as removed)
+    removed_rows: int = 0
 
 
 class LogFollower:
@@ -180,6 +186,8 @@ class LogFollower:
             check = False
         found: list[FollowedFile] = []
         removed: set[str] = set()
+        finished: set[str] = set()
+        removed_rows = 0
         for entry, removed_later in zip(entries, _removed_later(entries), strict=True):
             try:
                 files = self._files_of(entry, removed_later)  # all of an entry's, or none
@@ -189,8 +197,29 @@ class LogFollower:
                 raise
             found.extend(files)
             removed.update(entry.removed)
+            if entry.final:
+                finished.update(f.run_id for f in entry.added if f.run_id in self.runs)
+            removed_rows += self._rows_removed_unseen(entry, removed_later)
             self.version = entry.version
-        return Polled(found, frozenset(removed))
+        return Polled(found, frozenset(removed), frozenset(finished), removed_rows)
+
+    def _rows_removed_unseen(self, entry: LogEntry, removed_later: frozenset[str]) -> int:
+        """Rows of followed files ``entry`` added that a later entry of the poll removed
+        (from the adds' row counts: their footers are not read, their bytes may be gone)."""
+        rows = 0
+        for index, file in enumerate(entry.added):
+            if file.run_id not in self.runs or file.path not in removed_later:
+                continue
+            if file.path in entry.rearranged:
+                continue
+            first = 0
+            if entry.version == self.start.version:
+                if index < self.start.index:
+                    continue
+                if index == self.start.index:
+                    first = self.start.row
+            rows += max(0, (file.rows or 0) - first)
+        return rows
 
     def _files_of(self, entry: LogEntry, removed_later: frozenset[str]) -> list[FollowedFile]:
         files = []

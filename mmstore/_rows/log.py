@@ -339,6 +339,7 @@ class TableLog:
         *,
         digest: str | None = None,
         absent_since: int | None = None,
+        final: bool = False,
     ) -> CommitResult:
         """Put the entry adding ``files`` at the next free version; a lost put reads the
         winner's entry and tries the version after it.
@@ -388,7 +389,7 @@ class TableLog:
                 return result
             version = head.version + 1
             app = None if producer is None else producer_key(producer, files[0].run_id)
-            text = append_entry(todo, commit_id, app, seq, digest)
+            text = append_entry(todo, commit_id, app, seq, digest, final)
             if self._put_entry(version, text):
                 head.apply(text, version)
                 self.settle(commit_id)

@@ -188,6 +188,7 @@ class RolloutTable:
         commit_id: str | None = None,
         digest: str | None = None,
         absent_since: int | None = None,
+        final: bool = False,
     ) -> CommitResult:
         """Add ``files`` (already written in place) to the table in one transaction.
 
@@ -196,6 +197,7 @@ class RolloutTable:
         was made (its reply lost, or a failure after the entry was durable) is then found
         and returned, never made twice. With ``absent_since`` (a version whose files the
         caller read) the files a later commit added are left out (``CommitResult.skipped``).
+        ``final``: a producer's last commit to the run, marked in the entry (``LogEntry.final``).
 
         With ``producer`` and ``seq`` (files of one run) the commit happens at most once
         per ``(producer, run, seq)``: it records the pair in the same transaction (a Delta
@@ -231,12 +233,20 @@ class RolloutTable:
                 mine = self._log.earlier_attempt(commit_id, lambda: self._delta.latest().version)
             if mine is not None:
                 return CommitResult(mine, False, producer, seq, seq)
-            result = self._delta.append(files, commit_id, producer, seq, digest, absent_since)
+            result = self._delta.append(
+                files, commit_id, producer, seq, digest, absent_since, final=final
+            )
             self._log.settle(commit_id)
             return result
         with self._lock:
             result = self._log.commit(
-                files, commit_id, producer, seq, digest=digest, absent_since=absent_since
+                files,
+                commit_id,
+                producer,
+                seq,
+                digest=digest,
+                absent_since=absent_since,
+                final=final,
             )
             if result.version is not None and self._log.checkpoint_due(
                 result.version, self.checkpoint_interval

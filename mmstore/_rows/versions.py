@@ -74,6 +74,7 @@ def commit_files(
     commit_id: str | None = None,
     digest: str | None = None,
     absent_since: int | None = None,
+    final: bool = False,
 ) -> CommitResult:
     """Commit files already written in place (see :meth:`RolloutTable.commit`)."""
     return _on_table(
@@ -85,6 +86,7 @@ def commit_files(
             commit_id=commit_id,
             digest=digest,
             absent_since=absent_since,
+            final=final,
         ),
     )
 

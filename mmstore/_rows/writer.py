@@ -100,16 +100,31 @@ STATISTICS_COLUMNS = ["sample_id", "group_id", "prompt_len", "reward", "advantag
 PAGE_CHECKSUMS = True
 
 
-def parquet_options() -> dict[str, Any]:
-    """Keyword arguments of ``pyarrow.parquet.ParquetWriter`` for rollout files."""
+def parquet_options(extra: Mapping[str, Column] | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``pyarrow.parquet.ParquetWriter`` for rollout files (with the
+    run's ``extra`` columns: their float values byte-stream split as ``logprobs`` are,
+    measured by ``benchmarks/bench_columns.py``: top-32 logprobs 0.90x -> 0.79x of raw)."""
     return {
         "compression": "zstd",
         "compression_level": ZSTD_LEVEL,
         "use_dictionary": DICTIONARY_COLUMNS or False,
-        "column_encoding": COLUMN_ENCODING,
+        "column_encoding": {**COLUMN_ENCODING, **_split_floats(extra or {})},
         "write_statistics": STATISTICS_COLUMNS,
         "write_page_checksum": PAGE_CHECKSUMS,
     }
+
+
+def _split_floats(extra: Mapping[str, Column]) -> dict[str, str]:
+    """The float columns' leaf paths -> BYTE_STREAM_SPLIT (floats only: splitting ints is
+    a 2024 addition to Parquet that older readers fail on)."""
+    out = {}
+    for name, column in extra.items():
+        if column.dtype.startswith("float"):
+            leaf = ".".join(
+                [name, *["list.element"] * ((column.per == "token") + bool(column.shape))]
+            )
+            out[leaf] = "BYTE_STREAM_SPLIT"
+    return out
 
 
 _FIELDS = tuple(ROLLOUT_SCHEMA.names)  # once: iterating a schema builds Field objects
@@ -423,7 +438,7 @@ class RolloutWriter:
         if self._parquet is None:
             self._sink = pa.BufferOutputStream()
             self._parquet = pq.ParquetWriter(
-                self._sink, file_schema(self.columns), **parquet_options()
+                self._sink, file_schema(self.columns), **parquet_options(self.columns)
             )
         self._encoding = _Encoding(self._parquet, table, self.row_group_size)
         self._encoding.start()
@@ -488,6 +503,7 @@ class RolloutWriter:
             seq=self.seq,
             commit_id=self._commit_id,
             digest=None if self.producer is None else rows_digest(self.step, self._sample_ids),
+            final=self.final,
         )
         self.result = result
         self._encoded = None
