@@ -2,21 +2,27 @@
 
     python examples/grpo_loop.py --store runs/store --ckpt runs/ckpt.pt   # kill it, run again
 
-Each generation ``g``: the rollout side plays a toy two-turn UI task with the current policy
-and writes run ``gen-<g>`` (screenshots through ``put_image``, rows through ``store.writer``);
-the trainer then makes one pass over that run, one optimizer step per loader step, with a
-PPO/GRPO clipped objective against the stored inference logprobs. Every ``--ckpt-every`` steps
-it saves model, optimizer and ``loader.state_dict()`` in one file (atomically), pins the rows
-the rest of the pass needs and releases older generations; ``gc`` runs after every step. A
-rerun resumes from the file (it prints ``{"resumed": N}``, N the checkpoint's step) and ends
-on the same weights, bit for bit (CPU, deterministic). A rerun of a finished run prints
-``{"finished": N}`` and changes nothing. Each optimizer step prints its loss.
-``--replay`` then exports the last checkpoint's window and computes its first step's loss
-from both stores.
+Each generation ``g``: the rollout side shows the policy a synthetic UI screenshot and the
+task "click <k>" through the family's chat template (``mmstore.chat``: the image stored once
+by content, its span located in the processor's ids), samples a GRPO group of completions
+with the policy's own ``generate`` (``mmstore.integrations.hf.rollouts``: each completion a
+row, with the logprob the sampler drew each token with), scores each token under the
+reference policy (the initial weights) into the per-token column ``ref_logprobs``, and
+writes run ``gen-<g>``. The trainer then makes one pass over that run, one optimizer step
+per loader step, with a PPO/GRPO clipped objective against the stored behaviour logprobs
+and a KL penalty to the reference read from the batch (``columns=["ref_logprobs"]``). Every
+``--ckpt-every`` steps it saves model, optimizer and ``loader.state_dict()`` in one file
+(atomically), pins the rows the rest of the pass needs and releases older generations;
+``gc`` runs after every step. A rerun resumes from the file (it prints ``{"resumed": N}``,
+N the checkpoint's step) and ends on the same weights, bit for bit (CPU, deterministic). A
+rerun of a finished run prints ``{"finished": N}`` and changes nothing. Each optimizer step
+prints its loss. ``--replay`` then exports the last checkpoint's window and computes its
+first step's loss from both stores.
 
-The model is a tiny random-weight Qwen2-VL (``--family glm4v``: GLM-4.1V) built from a config
-(nothing is downloaded); the policy samples its actions from a seeded RNG (a stand-in for
-vLLM), the model scores them.
+The model is a tiny random-weight Qwen2-VL (``--family glm4v``: GLM-4.1V) built from a
+config, with a processor whose tokenizer is built offline (word-level, the family's
+special tokens at their published ids) and a small chat template shaped like the family's:
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -34,18 +40,48 @@ from itertools import compress
 from typing import Any
 
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
+import mmstore.integrations.hf
 
-ACTIONS = range(100, 132)  # the toy action vocabulary: "click button k" is token 100 + k
 PIN_PREFIX = "grpo-ckpt-"
+KL = 0.01  # the KL penalty's weight
+# The per-token column the rollout side writes and the loss reads.
+COLUMNS = {"ref_logprobs": mmstore.per_token("float32")}
+WORDS = ["[UNK]", "user", "assistant", "click", "0", "1", "2", "3"]
 
 
-def qwen2_vl() -> tuple[torch.nn.Module, Any, list[int]]:
-    """A tiny random-weight Qwen2-VL, its image processor (small screenshots), and the
-    chat-template tokens around an image."""
+def offline_tokenizer(special: dict[str, int]) -> Any:
+    """A word-level tokenizer of :data:`WORDS` and the family's special tokens at their
+    published ids (what a real run loads with ``AutoProcessor.from_pretrained``)."""
+    backend = Tokenizer(models.WordLevel({**{w: i for i, w in enumerate(WORDS)}, **special},
+                                         unk_token="[UNK]"))  # fmt: skip
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[UNK]")
+
+
+def chat_template(user: str, end: str, assistant: str, image: str) -> str:
+    """A chat template shaped like the family's: each message, its images where they are."""
+    return (
+        "{% for m in messages %}" + user.replace("ROLE", "{{ m.role }}")
+        + "{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% else %}" + image
+        + "{% endif %}{% endfor %}" + end + "{% endfor %}"
+        "{% if add_generation_prompt %}" + assistant + "{% endif %}"
+    )  # fmt: skip
+
+
+def qwen2_vl() -> tuple[torch.nn.Module, Any]:
+    """A tiny random-weight Qwen2-VL and its processor (small screenshots)."""
     text = dict(vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # fmt: skip
@@ -53,14 +89,24 @@ def qwen2_vl() -> tuple[torch.nn.Module, Any, list[int]]:
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
                            video_token_id=151656, vision_start_token_id=151652)  # fmt: skip
-    processor = Qwen2VLImageProcessor(max_pixels=160 * 120)  # torchvision: the fast backend
-    return Qwen2VLForConditionalGeneration(config), processor, [151652, 151653]
+    special = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
+               "<|vision_end|>": 151653, "<|image_pad|>": 151655,
+               "<|video_pad|>": 151656}  # fmt: skip
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(max_pixels=160 * 120),  # torchvision: fast
+        video_processor=Qwen2VLVideoProcessor(),
+        tokenizer=offline_tokenizer(special),
+        chat_template=chat_template("<|im_start|>ROLE ", "<|im_end|> ", "<|im_start|>assistant ",
+                                    "<|vision_start|><|image_pad|><|vision_end|>"),
+    )  # fmt: skip
+    return Qwen2VLForConditionalGeneration(config), processor
 
 
-def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
+def glm4v() -> tuple[torch.nn.Module, Any]:
     """The same for GLM-4.1V (its published token ids)."""
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vProcessor
     from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
             "partial_rotary_factor": 0.5}  # fmt: skip
@@ -74,18 +120,29 @@ def glm4v() -> tuple[torch.nn.Module, Any, list[int]]:
                          image_end_token_id=151340, video_start_token_id=151341,
                          video_end_token_id=151342)  # fmt: skip
     size = {"shortest_edge": 112 * 112, "longest_edge": 160 * 120}
-    processor = Glm4vImageProcessor(size=size)
-    return Glm4vForConditionalGeneration(config), processor, [151339, 151340]
+    special = {"<|user|>": 151336, "<|assistant|>": 151337, "<|begin_of_image|>": 151339,
+               "<|end_of_image|>": 151340, "<|begin_of_video|>": 151341,
+               "<|end_of_video|>": 151342, "<|image|>": 151343, "<|video|>": 151344}  # fmt: skip
+    processor = Glm4vProcessor(
+        image_processor=Glm4vImageProcessor(size=size),
+        video_processor=Glm4vVideoProcessor(),
+        tokenizer=offline_tokenizer(special),
+        chat_template=chat_template("<|ROLE|> ", " ", "<|assistant|> ",
+                                    "<|begin_of_image|><|image|><|end_of_image|>"),
+    )  # fmt: skip
+    return Glm4vForConditionalGeneration(config), processor
 
 
 FAMILIES = {"qwen2-vl": qwen2_vl, "glm4v": glm4v}
 
 
-def build_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, Any, list[int]]:
+def build_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """The family's tiny model (random weights from ``seed``: the reference policy is the
+    model as built) and its processor."""
     torch.manual_seed(seed)
-    model, processor, wrap = FAMILIES[family]()
+    model, processor = FAMILIES[family]()
     model.set_attn_implementation("eager")
-    return model, processor, wrap
+    return model, processor
 
 
 # ---------------------------------------------------------------- rollout side
@@ -100,33 +157,7 @@ def token_logprobs(model: torch.nn.Module, inputs: dict[str, Any], mask: torch.T
     return logp.gather(-1, inputs["input_ids"][:, 1:][mask[:, 1:]][:, None])[:, 0]
 
 
-def play(rng: random.Random, store: mmstore.Store, adapter: Any, wrap: list[int], task: int) -> Any:
-    """One episode of the toy task: look, click, look again, answer.
-
-    Returns the tokens, image refs, loss mask, reward and the images (for the logprobs)."""
-    target = task % 4  # the button the task asks for
-    click = rng.randrange(4)  # the policy's first action
-    answer = [rng.choice(ACTIONS) for _ in range(rng.randint(2, 5))]  # and its final answer
-    screen = mmstore.synth.screenshot  # a synthetic UI: title bar, panels, buttons
-    images = [screen(task, 160, 120), screen(task * 10 + click + 1, 160, 120)]
-    image = [wrap[0], adapter.image_token_id, wrap[1]]  # as the chat template emits it
-    turns = [  # (tokens, trained on): prompt, action, observation (the click's result), answer
-        ([*rng.sample(range(200, 999), 6), *image], False),
-        ([ACTIONS[click]], True),
-        ([*image, 7, 8], False),
-        (answer, True),
-    ]
-    span = adapter.num_tokens(*images[0].size)  # each image token becomes `span` tokens
-    mask = [flag for ids, flag in turns for t in ids
-            for _ in range(span if t == adapter.image_token_id else 1)]  # fmt: skip
-    # a group shares its first screenshot: content addressing stores it once
-    refs = [store.put_image(im) for im in images]
-    tokens, refs = adapter.expand([t for ids, _ in turns for t in ids], refs)
-    reward = float(click == target) + sum(a == ACTIONS[target] for a in answer) / len(answer)
-    return tokens, refs, mask, reward, images
-
-
-def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Namespace) -> None:
+def write_rollouts(store, model, processor, run: str, args: argparse.Namespace) -> None:
     """Generation ``run``: ``--steps-per-gen`` store steps of ``--prompts`` groups of ``-G``.
 
     A step already committed (by a run that was killed later) is kept, not written twice:
@@ -136,59 +167,100 @@ def write_rollouts(store, model, processor, wrap, run: str, args: argparse.Names
     for step in range(args.steps_per_gen):
         if done is not None and step <= done:
             continue
-        with store.writer(run_id=run, step=step, producer=run, seq=step) as writer:
-            write_groups(writer, store, model, processor, wrap, f"{run}-{step}", args.prompts,
+        with store.writer(run_id=run, step=step, producer=run, seq=step, columns=COLUMNS,
+                          adapter=mmstore.adapter_for(processor)) as writer:  # fmt: skip
+            write_groups(writer, store, model, processor, f"{run}-{step}", args.prompts,
                          args.group_size, seed=f"{run}/{step}")  # fmt: skip
 
 
-def write_groups(writer, store, model, processor, wrap, name: str, prompts: int, size: int,
+def write_groups(writer, store, model, processor, name: str, prompts: int, size: int,
                  seed: str, policy_version: int | None = None) -> None:  # fmt: skip
-    """``prompts`` GRPO groups of ``size`` episodes (sample ids ``<name>-<group>-<k>``),
-    drawn from a generator seeded by ``seed``, into ``writer``."""
-    adapter = mmstore.adapter_for(processor)
+    """``prompts`` GRPO groups of ``size`` completions (sample ids ``<name>-<group>-<k>``),
+    their tasks and sampling seeded by ``seed``, into ``writer``."""
     rng = random.Random(seed)
     for p in range(prompts):
         task = rng.randrange(10_000)
-        group = [play(rng, store, adapter, wrap, task) for _ in range(size)]
-        rewards = torch.tensor([g[3] for g in group])
+        torch.manual_seed(rng.randrange(2**31))  # the sampler's draws: reproducible
+        screen = mmstore.synth.screenshot(task, 160, 120)  # a synthetic UI: panels, buttons
+        rows = sample_group(store, model, processor, screen, task, size, f"{name}-{p}",
+                            policy_version)  # fmt: skip
+        rewards = torch.tensor([reward(row, task) for row in rows])
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-        for k, (tokens, refs, mask, reward, images) in enumerate(group):
-            writer.write(mmstore.Rollout(
-                sample_id=f"{name}-{p}-{k}", group_id=f"{name}-{p}",
-                tokens=tokens, prompt_len=mask.index(True), loss_mask=mask,
-                logprobs=inference_logprobs(model, processor, tokens, mask, images),
-                images=refs, reward=reward, advantage=float(advantages[k]),
-                policy_version=policy_version,
-            ))  # fmt: skip
+        for row, r, a in zip(rows, rewards.tolist(), advantages.tolist(), strict=True):
+            ref = reference_logprobs(processor, row, screen)
+            writer.write(mmstore.Rollout(**{**row.model_dump(), "reward": r, "advantage": a,
+                                            "columns": {"ref_logprobs": ref}}))  # fmt: skip
 
 
 @torch.no_grad()
-def inference_logprobs(model, processor, tokens, mask, images) -> list[float]:
-    """What the inference engine reports: the policy's logprob of each sampled token."""
-    ids = torch.tensor([tokens])
-    inputs = dict(processor(images=images, return_tensors="pt"), input_ids=ids,
+def sample_group(store, model, processor, screen, task: int, size: int, group: str,
+                 policy_version: int | None) -> list[mmstore.Rollout]:  # fmt: skip
+    """The task's screenshot and instruction through the chat template; ``size`` sampled
+    completions of it (``generate``), one row each with its behaviour logprobs."""
+    content = [{"type": "image", "image": screen}, {"type": "text", "text": f"click {task % 4}"}]
+    messages = [{"role": "user", "content": content}]
+    prompt = mmstore.chat.prompt(store, processor, messages)  # put, render, process, locate
+    inputs = processor(text=[prompt.text], images=[screen], return_tensors="pt")
+    adapter = mmstore.adapter_for(processor)
+    out = model.eval().generate(
+        **inputs, do_sample=True, top_k=0, temperature=1.0,  # the plain softmax: its logprobs
+        num_return_sequences=size, max_new_tokens=4, output_scores=True,
+        return_dict_in_generate=True, pad_token_id=0,
+        suppress_tokens=sorted(adapter.special_token_ids),  # no stray image placeholders
+    )  # fmt: skip
+    return mmstore.integrations.hf.rollouts(
+        out, adapter, prompt.tokens, prompt.images, eos_token_id=None, group_id=group,
+        policy_version=policy_version,
+    )  # fmt: skip
+
+
+def reward(row: mmstore.Rollout, task: int) -> float:
+    """The toy task's reward: the share of the completion's tokens that "click" button
+    ``task % 4`` (token id modulo 4)."""
+    completion = row.tokens[row.prompt_len :]
+    return sum(t % 4 == task % 4 for t in completion) / len(completion)
+
+
+REFERENCE: dict[str, torch.nn.Module] = {}
+
+
+@torch.no_grad()
+def reference_logprobs(processor: Any, row: mmstore.Rollout, screen: Any) -> Any:
+    """Each token's logprob under the reference policy (the initial weights; 0 on the
+    prompt): the per-token column the KL penalty reads."""
+    family = "glm4v" if type(processor).__name__.startswith("Glm4v") else "qwen2-vl"
+    if family not in REFERENCE:
+        REFERENCE[family] = build_model(family)[0].eval()
+    model = REFERENCE[family]
+    ids = torch.tensor([row.tokens])
+    inputs = dict(processor.image_processor(images=[screen], return_tensors="pt"), input_ids=ids,
                   mm_token_type_ids=(ids == model.config.image_token_id).int())  # fmt: skip
-    scored = iter(token_logprobs(model, inputs, torch.tensor([mask])).tolist())
-    return [next(scored) if m else 0.0 for m in mask]  # 0.0 where the policy sampled nothing
+    mask = torch.tensor([row.loss_mask])
+    scored = iter(token_logprobs(model, inputs, mask).tolist())
+    return [next(scored) if m else 0.0 for m in row.loss_mask]
 
 
 # ---------------------------------------------------------------- trainer side
 
 
-def micro_loss(model, batch: dict[str, Any], names, batch_size: int, clip: float) -> Any:
-    """The clipped GRPO objective of one packed micro-batch, as its share of the step's loss.
+def micro_loss(model, batch: dict[str, Any], names, batch_size: int, clip: float,
+               kl: float = KL) -> Any:  # fmt: skip
+    """The clipped GRPO objective of one packed micro-batch with a KL penalty to the
+    reference policy (k3, from the batch's ``ref_logprobs``), as its share of the step's loss.
 
     Each sample's loss is its mean over its completion tokens; the step's loss is the mean
     over the step's ``batch_size`` samples, so micro-batch losses add up to it."""
     mask = batch["loss_mask"]
     logp = token_logprobs(model, {k: batch[k] for k in names}, mask)
-    old = batch["logprobs"][:, 1:][mask[:, 1:]]
+    old = batch["logprobs"][:, 1:][mask[:, 1:]]  # the behaviour policy's, as it sampled
+    ref = batch["ref_logprobs"][:, 1:][mask[:, 1:]]
     lengths = batch["cu_seqlens"].diff().long()
     sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
     sample = sample[:, 1:][mask[:, 1:]]  # the sample each scored token belongs to
     adv = batch["advantage"][sample]
     ratio = torch.exp(logp - old)
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    per_token = per_token + kl * (torch.exp(ref - logp) - (ref - logp) - 1)
     per_sample = torch.zeros(len(lengths)).index_add(0, sample, per_token)
     counts = torch.bincount(sample, minlength=len(lengths)).clamp(min=1)
     return (per_sample / counts).sum() / batch_size  # filler segments have no scored tokens
@@ -196,7 +268,8 @@ def micro_loss(model, batch: dict[str, Any], names, batch_size: int, clip: float
 
 def make_loader(store, processor, run: str, args, workers: int | None = None) -> Any:
     fp32 = mmstore.Materialize(dtype=torch.float32)
-    ds = mmstore.RolloutDataset(store, processor, materialize=fp32, runs=[run], seed=0)
+    ds = mmstore.RolloutDataset(store, processor.image_processor, materialize=fp32, runs=[run],
+                                seed=0, columns=list(COLUMNS))  # fmt: skip
     return mmstore.RolloutLoader(
         ds, batch_size=args.batch_size, max_tokens=args.max_tokens,
         num_workers=args.workers if workers is None else workers,
@@ -235,7 +308,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     store = mmstore.Store.open(args.store, create=True)
-    model, processor, wrap = build_model(args.family)
+    model, processor = build_model(args.family)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = torch.load(args.ckpt) if os.path.exists(args.ckpt) else None
     start_gen, step, trained = 0, 0, []
@@ -252,7 +325,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             start_gen, ckpt = start_gen + 1, None
     for gen in range(start_gen, args.gens):
         run = f"gen-{gen}"
-        write_rollouts(store, model.eval(), processor, wrap, run, args)
+        write_rollouts(store, model.eval(), processor, run, args)
         loader = make_loader(store, processor, run, args)
         if ckpt is not None and gen == ckpt["gen"]:
             loader.load_state_dict(ckpt["loader"])  # the rest of this pass, exactly
@@ -303,15 +376,16 @@ def rollout_async(args: argparse.Namespace) -> None:
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     store = mmstore.Store.open(args.store, create=True)
-    model, processor, wrap = build_model(args.family)
+    model, processor = build_model(args.family)
     done = store.table.producer_seq("rollout")
     last = args.gens * args.steps_per_gen - 1
     for n in range(0 if done is None else done + 1, last + 1):
         policy = max(0, n - args.async_level)
         model.load_state_dict(wait_for_weights(args, policy))
         # The last commit says so: the trainer then trains what waits, never waits for more.
-        with store.writer(ASYNC_RUN, n, producer="rollout", seq=n, final=n == last) as writer:
-            write_groups(writer, store, model.eval(), processor, wrap, f"{ASYNC_RUN}-{n}",
+        with store.writer(ASYNC_RUN, n, producer="rollout", seq=n, final=n == last,
+                          columns=COLUMNS, adapter=mmstore.adapter_for(processor)) as writer:
+            write_groups(writer, store, model.eval(), processor, f"{ASYNC_RUN}-{n}",
                          args.batch_size // args.group_size, args.group_size,
                          seed=f"{ASYNC_RUN}/{n}", policy_version=policy)  # fmt: skip
         print(json.dumps({"rollout": n, "policy": policy}), flush=True)
@@ -360,11 +434,12 @@ def train_async(args: argparse.Namespace, other_side: Any = None) -> dict[str, A
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     store = mmstore.Store.open(args.store, create=True)
-    model, processor, _ = build_model(args.family)
+    model, processor = build_model(args.family)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total = args.gens * args.steps_per_gen
     live = mmstore.LiveLoader(
-        store, processor, runs=[ASYNC_RUN], batch_size=args.batch_size,
+        store, processor.image_processor, runs=[ASYNC_RUN], batch_size=args.batch_size,
+        columns=list(COLUMNS),
         materialize=mmstore.Materialize(dtype=torch.float32),
         max_tokens=args.max_tokens, max_staleness=args.async_level, num_workers=args.workers,
     )  # fmt: skip
@@ -467,7 +542,7 @@ def run_async(args: argparse.Namespace) -> dict[str, Any]:
 def replay(args: argparse.Namespace, dest: str) -> tuple[float, float]:
     """The last checkpoint's first step, from the store and from an export of its window."""
     store = mmstore.Store.open(args.store)
-    model, processor, _ = build_model(args.family)
+    model, processor = build_model(args.family)
     ckpt = torch.load(args.ckpt)
     model.load_state_dict(ckpt["model"])
     run = f"gen-{ckpt['gen']}"

@@ -27,11 +27,13 @@ import pyarrow.fs as pafs
 from mmstore import __version__, debug
 from mmstore import _demo as demo
 from mmstore._arguments import seconds
+from mmstore._format.paths import partition_of
 from mmstore._lifecycle.export import export
 from mmstore._lifecycle.gc import DiskUsage, GcReport, disk_usage, gc, release_run
-from mmstore._lifecycle.pins import list_pins, pin_rows, unpin
+from mmstore._lifecycle.pins import list_pins, pin_rows, readable_versions, unpin
 from mmstore._lifecycle.upgrade import upgrade
 from mmstore._lifecycle.verify import verify
+from mmstore._rows.entries import LogEntry, producer_of
 from mmstore._rows.files import holdings
 from mmstore._rows.store import Store
 from mmstore._storage.backends import s3_filesystem
@@ -40,32 +42,54 @@ from mmstore.errors import (
     InvalidArgumentError,
     MmstoreError,
     NotAStoreError,
+    PinnedRowsError,
     RunNotFoundError,
     StepNotCommittedError,
+    TableVersionError,
 )
 
 PROG = "mmstore"
-# Output fits the terminal (COLUMNS, else the terminal's width, else this many columns).
-DEFAULT_WIDTH = 100
+# Output fits the terminal (COLUMNS, else the terminal's width, else this many columns);
+# prose wraps at this many columns at most, however wide the terminal.
+DEFAULT_WIDTH = 80
 GRACE_HELP = (
     "keep unreferenced media younger than this many seconds (default 3600, one hour): "
     "rows still being written may be about to reference it"
 )
-# Columns of `stats`, renamed so that rows stay narrow.
+# Columns of `stats`, renamed so that a row fits 80 columns (`--json` has them all, and
+# `unique_images`: the dedup ratio is images over it).
 STATS_COLUMNS = {
     "run_id": "run",
     "step": "step",
     "samples": "rows",
     "images": "images",
-    "unique_images": "unique",
     "dedup_ratio": "dedup",
+    "videos": "videos",
+    "video_frames": "frames",
     "parquet_bytes": "parquet",
     "media_bytes": "media",
     "dense_fp32_bytes": "dense fp32",
-    "reward": "reward ± std",
+    "reward": "reward",
     "missing_media": "missing",
 }
+IMAGE_COLUMNS = ("images", "dedup_ratio", "dense_fp32_bytes")
+VIDEO_COLUMNS = ("videos", "video_frames")
 BYTE_COLUMNS = ("parquet_bytes", "media_bytes", "disk_bytes", "dense_fp32_bytes")
+# Columns of the `inspect` listing, renamed likewise (`--json` keeps the names).
+LISTING_COLUMNS = {
+    "run_id": "run",
+    "step": "step",
+    "sample_id": "sample",
+    "group_id": "group",
+    "tokens": "tokens",
+    "prompt_len": "prompt",
+    "images": "images",
+    "videos": "videos",
+    "reward": "reward",
+    "advantage": "advantage",
+    "policy": "policy",
+}
+LOG_TEXT_COLUMNS = ("time (UTC)", "operation", "run/step", "producer/seq", "rows", "readable")
 # Integer options of the demo, handed to mmstore._demo.main only when given (its own
 # defaults are shown in --help).
 DEMO_OPTIONS = {
@@ -100,6 +124,8 @@ def _run(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "view", None) and args.sample is None:
         args.usage_error("--view needs --sample ID (the sample to draw)")
+    if getattr(args, "tokenizer", None) and args.sample is None:
+        args.usage_error("--tokenizer needs --sample ID (the sample to decode)")
     try:
         return int(args.handler(args) or 0)
     except BrokenPipeError:
@@ -162,26 +188,55 @@ def _missing_bucket(root: str) -> str | None:
 
 def _inspect(args: argparse.Namespace) -> int:
     store = _open(args.root)
+    if args.version is not None:
+        _check_readable(store, args.version)
     if args.sample is not None:
-        row = debug.sample(store, args.sample, run_id=args.run, step=args.step)
-        if args.view:
-            debug.sample_view(store, args.sample, run_id=row["run_id"], step=row["step"]).save(
-                args.view
-            )
-        if args.json:
-            _print_json(row)
-        else:
-            print(_describe_sample(row))
-        if args.view:
-            print(f"wrote {args.view}", file=sys.stderr)
-        return 0
-    frame = debug.scan(store)
+        return _inspect_sample(store, args)
+    frame = debug.scan(store, version=args.version)
     if args.run is not None:
         frame = frame.filter(pl.col("run_id") == args.run)
     if args.step is not None:
         frame = frame.filter(pl.col("step") == args.step)
     total = frame.select(pl.len()).collect().item()
-    listing = frame.select(
+    listing = _listing(frame)
+    rows = (listing.head(args.limit) if args.limit > 0 else listing).collect()
+    if args.json:
+        _print_json({"total": total, "rows": rows.to_dicts()})
+        return 0
+    if total == 0:
+        where = _where(args)
+        if where:
+            _no_match(store, args, where)
+        at = "" if args.version is None else f" at version {args.version}"
+        print(f"the store holds no rollouts{at}")
+        return 0
+    _print_table(_listing_view(rows), keys=("run", "step", "sample"))
+    shown = rows.height
+    print(f"{shown} of {total} rollouts" + ("" if shown == total else " (--limit 0 shows all)"))
+    return 0
+
+
+def _inspect_sample(store: Store, args: argparse.Namespace) -> int:
+    tokenizer = None if args.tokenizer is None else _load_tokenizer(args.tokenizer)
+    where = {"run_id": args.run, "step": args.step, "version": args.version}
+    row = debug.sample(store, args.sample, **where)
+    if tokenizer is not None:
+        row["text"] = _decoded(row, tokenizer)
+    if args.view:
+        where.update(run_id=row["run_id"], step=row["step"])
+        debug.sample_view(store, args.sample, **where).save(args.view)
+    if args.json:
+        _print_json(row)
+    else:
+        print(_describe_sample(row))
+    if args.view:
+        print(f"wrote {args.view}", file=sys.stderr)
+    return 0
+
+
+def _listing(frame: pl.LazyFrame) -> pl.LazyFrame:
+    """One line per rollout: its keys and counts (``inspect``'s listing, and its JSON)."""
+    return frame.select(
         "run_id",
         "step",
         "sample_id",
@@ -194,27 +249,75 @@ def _inspect(args: argparse.Namespace) -> int:
         "advantage",
         pl.col("policy_version").alias("policy"),
     )
-    rows = (listing.head(args.limit) if args.limit > 0 else listing).collect()
-    if args.json:
-        _print_json({"total": total, "rows": rows.to_dicts()})
-        return 0
-    if total == 0:
-        where = _where(args)
-        if where:
-            _no_match(store, args, where)
-        print("the store holds no rollouts")
-        return 0
-    _print_table(rows, keys=("run_id", "step", "sample_id"))
-    shown = rows.height
-    print(f"{shown} of {total} rollouts" + ("" if shown == total else " (--limit 0 shows all)"))
-    return 0
+
+
+def _listing_view(rows: pl.DataFrame) -> pl.DataFrame:
+    """Short headers, and only the columns that say something: ``videos`` where a listed
+    row has videos, ``images`` unless only videos are listed, ``policy`` where known."""
+    videos = bool((rows["videos"].fill_null(0) > 0).any())
+    images = bool((rows["images"].fill_null(0) > 0).any())
+    hidden = set()
+    if not videos:
+        hidden.add("videos")
+    elif not images:
+        hidden.add("images")
+    if rows["policy"].null_count() == rows.height:
+        hidden.add("policy")
+    rows = rows.drop(hidden)
+    return rows.rename({c: LISTING_COLUMNS[c] for c in rows.columns})
+
+
+def _check_readable(store: Store, version: int) -> None:
+    """Refuse, with :class:`TableVersionError`, a version that cannot be read (any more)."""
+    latest = store.table.latest_version()
+    if version > latest:
+        raise TableVersionError(
+            f"the rollouts table has no version {version} (latest is {latest})", version=version
+        )
+    readable = readable_versions(store)
+    if version not in readable:
+        raise TableVersionError(
+            f"version {version} can no longer be read: gc collected files it lists (or its "
+            f"log entry); the readable versions are {_ranges(readable)} (`mmstore log` "
+            "lists them)",
+            version=version,
+        )
+
+
+def _load_tokenizer(path: str) -> Any:
+    """``AutoTokenizer.from_pretrained(path)``; transformers is imported only here."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"--tokenizer {path}: no tokenizer loads from there ({_one_line(exc)})"
+        ) from None
+
+
+def _decoded(row: dict[str, Any], tokenizer: Any) -> dict[str, str]:
+    """The sample's prompt and completion as text: text spans decoded (special tokens kept),
+    each image or video span one ``[image#0: 322 tokens]`` marker."""
+    tokens = row["tokens"]
+
+    def text(start: int, stop: int) -> str:
+        ids = tokens[start:stop]
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    prompt = [
+        text(start, stop) if label == "text" else f"[{label}: {stop - start} tokens]"
+        for label, start, stop in _layout(row)
+        if label != "completion"
+    ]
+    return {"prompt": "".join(prompt), "completion": text(row["prompt_len"], len(tokens))}
 
 
 def _no_match(store: Store, args: argparse.Namespace, where: str) -> None:
     """Raise the error for an ``inspect`` selection that matched nothing, naming what the
     store holds: a run it never held, or a step of a run it holds."""
     held: dict[str, set[int]] = {}
-    for file in store.files():
+    for file in store.files(args.version):
         held.setdefault(file.run_id, set()).add(file.step)
     message = f"no rollouts match {where}; the store holds {holdings(held)}"
     if args.run is not None and args.run not in held:
@@ -236,14 +339,35 @@ def _stats(args: argparse.Namespace) -> int:
     if table.height == 0 or total["samples"].item() == 0:
         print("the store holds no rollouts")
     else:
-        _print_table(_stats_view(table), keys=("run", "step"))
-        if by:
-            print()
-            print("whole store (media shared between steps counted once):")
-            _print_table(_stats_view(total), keys=())
+        _print_stats(table, total, whole=bool(by))
     print()
     print("\n".join(_disk_lines(usage)))
     return 0
+
+
+def _print_stats(table: pl.DataFrame, total: pl.DataFrame, *, whole: bool) -> None:
+    """``stats``' table, then the whole store's (``whole``), then what the tables leave out."""
+    shown = _stats_columns(total.row(0, named=True))
+    sizes = ("parquet", "media", "dense fp32", "reward")
+    _print_table(_stats_view(table, shown), keys=("run", "step"), right=sizes)
+    if whole:
+        print()
+        print("\n".join(_wrap(["whole store (media shared between steps counted once):"])))
+        _print_table(_stats_view(total, shown), right=sizes)
+    notes = [] if "missing_media" in shown else ["missing media: none"]
+    if "images" in shown and "videos" in shown:
+        notes.append("dense fp32: the images' pixel_values (videos not counted)")
+    print("\n".join(_wrap(notes)))
+
+
+def _stats_columns(total: dict[str, Any]) -> list[str]:
+    """The summary columns ``stats`` shows: the video columns where the store holds video
+    refs, the image columns unless it holds videos and no image, ``missing_media`` where
+    media is missing (else a line says none is)."""
+    videos, images = total["videos"] > 0, total["images"] > 0
+    hidden = (() if videos else VIDEO_COLUMNS) + (IMAGE_COLUMNS if videos and not images else ())
+    hidden += () if total["missing_media"] else ("missing_media",)
+    return [c for c in STATS_COLUMNS if c not in hidden]
 
 
 def _disk_lines(usage: DiskUsage) -> list[str]:
@@ -289,9 +413,11 @@ def _when(moment: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(moment)) + f" (in {minutes} min)"
 
 
-def _stats_view(frame: pl.DataFrame) -> pl.DataFrame:
+def _stats_view(frame: pl.DataFrame, columns: Sequence[str]) -> pl.DataFrame:
     """Human units and short headers; ``disk_bytes`` is parquet + media, so it is left out."""
-    frame = _human_bytes_columns(frame).with_columns(
+    frame = frame.with_columns(
+        pl.Series(c, [_short_bytes(v) for v in frame[c]], dtype=pl.String) for c in BYTE_COLUMNS
+    ).with_columns(
         pl.Series(
             "reward",
             [
@@ -301,14 +427,15 @@ def _stats_view(frame: pl.DataFrame) -> pl.DataFrame:
             dtype=pl.String,
         )
     )
-    shown = [c for c in STATS_COLUMNS if c in frame.columns]
+    shown = [c for c in columns if c in frame.columns]
     return frame.select(shown).rename({c: STATS_COLUMNS[c] for c in shown})
 
 
 def _mean_std(mean: float | None, std: float | None) -> str:
+    """``0.50±0.58``: two decimals keep the column narrow."""
     if mean is None:
         return "-"
-    return f"{mean:.3f}" + ("" if std is None else f" ± {std:.3f}")
+    return f"{mean:.2f}" + ("" if std is None else f"±{std:.2f}")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -392,9 +519,12 @@ def _export(args: argparse.Namespace) -> int:
 
 def _release(args: argparse.Namespace) -> int:
     store = _open(args.root)
-    report = release_run(
-        store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run, force=args.force
-    )
+    try:
+        report = release_run(
+            store, args.run_id, grace_seconds=args.grace, dry_run=args.dry_run, force=args.force
+        )
+    except PinnedRowsError as exc:  # the API's remedy, in this command's words
+        raise PinnedRowsError(exc.message.replace("force=True", "--force"), **exc.context) from None
     if args.json:
         _print_json(report.to_dict())
         return 0
@@ -404,10 +534,123 @@ def _release(args: argparse.Namespace) -> int:
         print(f"{removed} {path}")
     for path in [*report.gc.rollout_files_deleted, *report.gc.deleted]:
         print(f"{deleted} {path}")
-    print(f"run {args.run_id}: {removed} {len(report.removed_files)} rollout files "
-          "from the latest version")  # fmt: skip
+    done = f"run {args.run_id}: {removed} {len(report.removed_files)} rollout files from the "
+    print("\n".join(_wrap([done + "latest version"])))
     print("\n".join(_gc_lines(report.gc, disk_usage(store, grace_seconds=args.grace))))
     return 0
+
+
+def _log(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    table = store.table
+    latest, first = table.latest_version(), table.first_version()
+    stop = first - 1 if args.limit <= 0 else max(first - 1, latest - args.limit)
+    entries = [table.log_entry(v, check_cleaned=False) for v in range(latest, stop, -1)]
+    readable = readable_versions(store)
+    records = [_log_record(store, e, e.version in readable) for e in entries if e is not None]
+    if args.json:
+        _print_json({"latest": latest, "readable_versions": readable, "versions": records})
+        return 0
+    _print_table(_log_view(records), keys=("version",), right=("rows",))
+    total = latest - first + 1
+    shown = f"{len(records)} of {total} versions"
+    print(shown + ("" if len(records) == total else " (--limit 0 shows all)"))
+    note = f"readable: {_ranges(readable)} (gc collected files the others list)"
+    print("\n".join(_wrap([note if len(readable) < total else "every version is readable"])))
+    return 0
+
+
+def _log_record(store: Store, entry: LogEntry, readable: bool) -> dict[str, Any]:
+    """One commit of the table's log, as ``log --json`` prints it."""
+    paths = [f.path for f in entry.added] + list(entry.removed)
+    return {
+        "version": entry.version,
+        "timestamp_ms": entry.timestamp_ms,
+        "operation": entry.operation,
+        "partitions": sorted(p for p in {_partition(path) for path in paths} if p is not None),
+        "producers": [
+            {"producer": producer_of(app) or app, "seq": seq} for app, seq in entry.producers
+        ],
+        "files_added": len(entry.added),
+        "files_removed": len(entry.removed),
+        "rows_added": sum(f.rows or 0 for f in entry.added),
+        "rows_removed": _removed_rows(store, entry),
+        "readable": readable,
+    }
+
+
+def _partition(path: str) -> tuple[str, int] | None:
+    try:
+        return partition_of(path)
+    except MmstoreError:  # a file another engine put outside the partitions
+        return None
+
+
+def _removed_rows(store: Store, entry: LogEntry) -> int | None:
+    """Rows of the files ``entry`` removed, from the version before it (None where that
+    version can no longer be opened)."""
+    if not entry.removed:
+        return 0
+    try:
+        before = {f.path: f.rows or 0 for f in store.files(entry.version - 1)}
+    except MmstoreError:
+        return None
+    return sum(before.get(path, 0) for path in entry.removed)
+
+
+def _log_view(records: list[dict[str, Any]]) -> pl.DataFrame:
+    """``log``'s table: a row per version, newest first, every cell short."""
+    return pl.DataFrame(
+        [
+            {
+                "version": r["version"],
+                "time (UTC)": _utc(r["timestamp_ms"]),
+                "operation": _operation(r["operation"]),
+                "run/step": _partitions_text(r["partitions"]),
+                "producer/seq": _producers_text(r["producers"]),
+                "rows": _rows_text(r),
+                "readable": "yes" if r["readable"] else "no",
+            }
+            for r in records
+        ],
+        schema={"version": pl.Int64, **dict.fromkeys(LOG_TEXT_COLUMNS, pl.String)},
+    )
+
+
+def _utc(ms: int | None) -> str:
+    return "-" if ms is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000))
+
+
+def _operation(name: str | None) -> str:
+    """Delta's operation, lower case (``CREATE TABLE`` is ``create``)."""
+    if name is None:
+        return "-"
+    return {"CREATE TABLE": "create"}.get(name, name.lower())
+
+
+def _partitions_text(pairs: Sequence[tuple[str, int]]) -> str:
+    """``r1/3``; ``r1/0-5`` for several steps of one run; ``3 runs``."""
+    runs = sorted({run for run, _ in pairs})
+    if len(runs) != 1:
+        return f"{len(runs)} runs" if runs else "-"
+    steps = sorted(step for _, step in pairs)
+    return f"{runs[0]}/{steps[0]}" + ("" if steps[0] == steps[-1] else f"-{steps[-1]}")
+
+
+def _producers_text(producers: Sequence[dict[str, Any]]) -> str:
+    if not producers:
+        return "-"
+    first = f"{producers[0]['producer']}/{producers[0]['seq']}"
+    return first + (f" +{len(producers) - 1}" if len(producers) > 1 else "")
+
+
+def _rows_text(record: dict[str, Any]) -> str:
+    """``+4`` added, ``-8`` removed (``-?`` where unknown), ``0`` for neither."""
+    parts = [f"+{record['rows_added']}"] if record["files_added"] else []
+    if record["files_removed"]:
+        removed = record["rows_removed"]
+        parts.append(f"-{'?' if removed is None else removed}")
+    return " ".join(parts) or "0"
 
 
 def _upgrade(args: argparse.Namespace) -> int:
@@ -490,7 +733,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", metavar="ID", help="show this sample in detail")
     p.add_argument("--limit", type=int, default=20, help="rows to list (0: all; default 20)")
     p.add_argument("--view", metavar="PNG", help="with --sample: render the sample to a PNG")
+    p.add_argument(
+        "--version",
+        type=_version,
+        metavar="N",
+        help="read table version N (time travel; `mmstore log` lists them; default latest)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="with --sample: decode its tokens to text with this tokenizer "
+        "(AutoTokenizer.from_pretrained(PATH): a directory or a model id)",
+    )
     p.set_defaults(usage_error=p.error)  # a usage error names this subcommand's usage
+
+    p = command("log", _log, "the table's versions, newest first: what each commit did")
+    p.add_argument("root", help="store path or s3://bucket/prefix")
+    p.add_argument("--limit", type=int, default=20, help="versions to list (0: all; default 20)")
 
     p = command("stats", _stats, "per run/step counts, dedup, bytes, rewards, missing media")
     p.add_argument("root", help="store path or s3://bucket/prefix")
@@ -559,6 +818,17 @@ def _steps(text: str) -> range:
     return steps
 
 
+def _version(text: str) -> int:
+    """A table version: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a table version (0 or more), got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """A duration (``--grace``), as the API checks it: nan, inf and negatives refused."""
     try:
@@ -591,8 +861,8 @@ def _json_text(value: Any, indent: str = "") -> str:
     return json.dumps(value, default=str)
 
 
-def _print_table(frame: pl.DataFrame, keys: Sequence[str] = ()) -> None:
-    print(_table_text(frame, keys=keys))
+def _print_table(frame: pl.DataFrame, keys: Sequence[str] = (), right: Sequence[str] = ()) -> None:
+    print(_table_text(frame, keys=keys, right=right))
 
 
 def _width() -> int:
@@ -600,9 +870,14 @@ def _width() -> int:
     return max(40, shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
 
 
+def _prose_width() -> int:
+    """Where prose wraps: the terminal's width, at most ``DEFAULT_WIDTH``."""
+    return min(_width(), DEFAULT_WIDTH)
+
+
 def _wrap(lines: list[str]) -> list[str]:
-    """Each line wrapped at the terminal's width, continuations indented."""
-    width = _width()
+    """Each line wrapped at :func:`_prose_width`, continuations indented."""
+    width = _prose_width()
     return [
         part
         for line in lines
@@ -621,10 +896,13 @@ def _human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _human_bytes_columns(frame: pl.DataFrame) -> pl.DataFrame:
-    return frame.with_columns(
-        pl.Series(c, [_human_bytes(v) for v in frame[c]], dtype=pl.String) for c in BYTE_COLUMNS
-    )
+def _short_bytes(n: float | None) -> str:
+    """``8.1 KiB``, ``23 MiB``: a table's bytes, whole units from 10 up (7 columns)."""
+    text = _human_bytes(n)
+    number, _, unit = text.partition(" ")
+    if unit in ("", "B") or float(number) < 10:
+        return text
+    return f"{float(number):.0f} {unit}"
 
 
 def _unknown(value: Any) -> Any:
@@ -644,34 +922,50 @@ def _describe_sample(row: dict[str, Any]) -> str:
     if row["metadata"]:
         lines.append(f"metadata {row['metadata']}")
     lines = [*_wrap(lines), *_wrap_parts(_spans(row), prefix="spans  ")]
-    lines.append(f"images ({len(row['images'])}):")
-    if row["images"]:
-        refs = pl.DataFrame(
-            [
-                {
-                    "index": i,
-                    "tokens": f"[{ref['offset']}, {ref['offset'] + ref['length']})",
-                    "length": ref["length"],
-                    "size": f"{ref['width']}x{ref['height']}",
-                    "bytes": _human_bytes(ref["nbytes"]),
-                    # A store URI names the hash; the hash column is only for other URIs.
-                    **({} if ref["hash"] in ref["uri"] else {"hash": ref["hash"]}),
-                    "uri": ref["uri"],
-                }
-                for i, ref in enumerate(row["images"])
-            ]
-        )
-        lines.append(_table_text(refs, keys=("index",)))
+    if "text" in row:
+        lines += _text_lines(row["text"])
+    lines += _refs_lines("image", row["images"], _image_table)
     clips = row.get("videos") or []
     if clips:  # a row without videos reads as before
-        lines.append(f"videos ({len(clips)}):")
-        lines.append(_table_text(_video_table(clips), keys=("index",)))
+        lines += _refs_lines("video", clips, _video_table)
     return "\n".join(lines)
+
+
+def _refs_lines(
+    kind: str,
+    refs: list[dict[str, Any]],
+    table: Callable[[list[dict[str, Any]]], pl.DataFrame],
+) -> list[str]:
+    """A table of the refs, then each one's URI whole, on a line of its own (to copy)."""
+    lines = [f"{kind}s ({len(refs)}):"]
+    if refs:
+        lines.append(_table_text(table(refs), keys=("index",)))
+        lines += [f"  {kind}#{i}  {ref['uri']}" for i, ref in enumerate(refs)]
+    return lines
+
+
+def _image_table(images: list[dict[str, Any]]) -> pl.DataFrame:
+    """One line per image ref: its span, size and bytes (the hash too where the URI does
+    not name it)."""
+    return pl.DataFrame(
+        [
+            {
+                "index": i,
+                "tokens": f"[{ref['offset']}, {ref['offset'] + ref['length']})",
+                "length": ref["length"],
+                "size": f"{ref['width']}x{ref['height']}",
+                "bytes": _human_bytes(ref["nbytes"]),
+                # A store URI names the hash; the hash column is only for other URIs.
+                **({} if ref["hash"] in ref["uri"] else {"hash": ref["hash"]}),
+            }
+            for i, ref in enumerate(images)
+        ]
+    )
 
 
 def _video_table(clips: list[dict[str, Any]]) -> pl.DataFrame:
     """One line per video ref: its span, clip size, the frames it samples of the clip's
-    and at what rate, bytes and URI (the hash too where the URI does not name it)."""
+    and at what rate, and bytes (the hash too where the URI does not name it)."""
     return pl.DataFrame(
         [
             {
@@ -683,22 +977,22 @@ def _video_table(clips: list[dict[str, Any]]) -> pl.DataFrame:
                 "fps": ref["fps"],
                 "bytes": _human_bytes(ref["nbytes"]),
                 **({} if ref["hash"] in ref["uri"] else {"hash": ref["hash"]}),
-                "uri": ref["uri"],
             }
             for i, ref in enumerate(clips)
         ]
     )
 
 
-def _table_text(frame: pl.DataFrame, keys: Sequence[str] = ()) -> str:
-    """A plain, aligned table of every row and column that fits the terminal: numbers right,
-    text left, two spaces between columns, no trailing blanks, floats to 3 decimals, nulls
-    as ``-``. Where it is too wide, the widest text cells are cut in the middle (a URI keeps
-    its hash's start and its extension), and columns that still do not fit go on to a second
-    table below, which repeats the ``keys`` columns so that its rows read on their own."""
+def _table_text(frame: pl.DataFrame, keys: Sequence[str] = (), right: Sequence[str] = ()) -> str:
+    """A plain, aligned table of every row and column that fits the terminal: numbers (and
+    the ``right`` columns: sizes) right, other text left, two spaces between columns, no
+    trailing blanks, floats to 3 decimals, nulls as ``-``. Where it is too wide, the widest
+    text cells are cut in the middle (a URI keeps its hash's start and its extension), and
+    columns that still do not fit go on to a second table below, which repeats the ``keys``
+    columns so that its rows read on their own."""
     width = _width()
     header = list(frame.columns)
-    numeric = [frame.schema[c].is_numeric() for c in header]
+    numeric = [frame.schema[c].is_numeric() or c in right for c in header]
     cells = [[_cell(v) for v in row] for row in frame.iter_rows()]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     _shrink_text_columns(widths, numeric, width)
@@ -763,9 +1057,9 @@ def _cell(value: Any) -> str:
 
 
 def _wrap_parts(parts: list[str], *, prefix: str) -> list[str]:
-    """``parts`` joined by `` | ``, wrapped at the terminal's width between parts, never
+    """``parts`` joined by `` | ``, wrapped at :func:`_prose_width` between parts, never
     inside one."""
-    width = _width()
+    width = _prose_width()
     lines: list[str] = []
     current: list[str] = []
     for part in parts:
@@ -780,18 +1074,49 @@ def _wrap_parts(parts: list[str], *, prefix: str) -> list[str]:
 def _spans(row: dict[str, Any]) -> list[str]:
     """``text [0,14)``, ``image#0 [14,91)``, ``video#0 [95,520)``, ...,
     ``completion [200,344)``: the token layout, image and video spans in token order."""
+    return [f"{label} [{start},{stop})" for label, start, stop in _layout(row)]
+
+
+def _layout(row: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """``(label, start, stop)`` of each part of the row's tokens, in order: ``text``,
+    ``image#0``, ``video#0``, ..., then ``completion``."""
     parts, cursor, prompt = [], 0, row["prompt_len"]
     spans = [("image", i, ref) for i, ref in enumerate(row["images"])]
     spans += [("video", i, ref) for i, ref in enumerate(row.get("videos") or [])]
     for kind, index, ref in sorted(spans, key=lambda span: span[2]["offset"]):
         if ref["offset"] > cursor:
-            parts.append(f"text [{cursor},{ref['offset']})")
+            parts.append(("text", cursor, ref["offset"]))
         cursor = ref["offset"] + ref["length"]
-        parts.append(f"{kind}#{index} [{ref['offset']},{cursor})")
+        parts.append((f"{kind}#{index}", ref["offset"], cursor))
     if prompt > cursor:
-        parts.append(f"text [{cursor},{prompt})")
-    parts.append(f"completion [{prompt},{len(row['tokens'])})")
+        parts.append(("text", cursor, prompt))
+    parts.append(("completion", prompt, len(row["tokens"])))
     return parts
+
+
+def _text_lines(text: dict[str, str]) -> list[str]:
+    """The decoded prompt and completion under their labels, wrapped, newlines kept."""
+    width, indent = _prose_width(), " " * 14
+    lines = ["text (--tokenizer):"]
+    for label in ("prompt", "completion"):
+        first = f"  {label + ':':<12}"
+        for paragraph in text[label].split("\n"):
+            wrapped = textwrap.wrap(paragraph, width - len(indent), drop_whitespace=False)
+            for part in wrapped or [""]:
+                lines.append((first or indent) + part)
+                first = ""
+    return [line.rstrip() for line in lines]
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``0-2, 5``: sorted integers as runs."""
+    runs: list[list[int]] = []
+    for value in sorted(values):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def _describe_problem(problem: Any) -> str:

@@ -15,11 +15,11 @@ video spans, prompt vs completion and the loss mask); PIL images display inline 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import polars as pl
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from mmstore._families import (
     Layout,
+    family_class,
     family_for_layout,
     is_video_layout,
     layout_for_fingerprint,
@@ -146,12 +147,13 @@ def summary(
     """Per ``by`` group (run and step by default; ``()`` for the whole store):
 
     ``samples``, ``images`` (refs), ``unique_images`` (distinct hashes), ``dedup_ratio``
-    (images / unique_images), ``parquet_bytes``, ``media_bytes`` (each distinct file once),
+    (images / unique_images), ``videos`` (video refs), ``video_frames`` (the frames those
+    refs sample), ``parquet_bytes``, ``media_bytes`` (each distinct file once),
     ``disk_bytes`` (both), ``dense_fp32_bytes`` (the ``pixel_values`` a dense pipeline ships:
     every ref, at the processor's resized grid; null where a layout is unknown),
     ``reward_mean``, ``reward_std`` and ``missing_media`` (refs whose file is absent).
-    Video clips count in ``media_bytes`` and ``missing_media``; the image columns are of
-    images only.
+    Video clips count in ``media_bytes`` and ``missing_media``; the image columns, and
+    ``dense_fp32_bytes``, are of images only.
     """
     keys = list(by)
     unknown = set(keys) - set(SUMMARY_KEYS)
@@ -161,10 +163,9 @@ def summary(
     scanned = _scan_files(store, files)
     rows = scanned.select(*SUMMARY_KEYS, "reward").collect()
     refs = _ref_facts(store, scanned, files, progress)
+    clips = _clip_facts(store, scanned)
     # Every media file a ref names, images and video clips alike: what is on disk or missing.
-    media = pl.concat(
-        [refs.select(*SUMMARY_KEYS, "uri", "media_size"), _clip_facts(store, scanned)]
-    )
+    media = pl.concat([refs.select(*SUMMARY_KEYS, "uri", "media_size"), clips.drop("n_frames")])
     parquet = pl.DataFrame(
         [(*partition_of(f.path), f.size) for f in files],
         schema={**PARTITIONS, "size": pl.Int64},
@@ -187,6 +188,12 @@ def summary(
             pl.col("dense_bytes").null_count().alias("unknown_layouts"),
         ),
         _aggregate(
+            clips,
+            keys,
+            pl.len().cast(pl.Int64).alias("videos"),
+            pl.col("n_frames").sum().cast(pl.Int64).alias("video_frames"),
+        ),
+        _aggregate(
             media, keys, pl.col("media_size").is_null().sum().cast(pl.Int64).alias("missing_media")
         ),
         _aggregate(
@@ -195,7 +202,8 @@ def summary(
         _aggregate(parquet, keys, pl.col("size").sum().alias("parquet_bytes")),
     ):
         table = _join(table, part, keys)
-    counts = ["images", "unique_images", "missing_media", "media_bytes", "parquet_bytes"]
+    counts = ["images", "unique_images", "videos", "video_frames", "missing_media"]
+    counts += ["media_bytes", "parquet_bytes"]
     table = table.with_columns(pl.col(counts).fill_null(0).cast(pl.Int64)).with_columns(
         dedup_ratio=pl.when(pl.col("unique_images") > 0).then(
             pl.col("images") / pl.col("unique_images")
@@ -211,6 +219,8 @@ def summary(
         "images",
         "unique_images",
         "dedup_ratio",
+        "videos",
+        "video_frames",
         "parquet_bytes",
         "media_bytes",
         "disk_bytes",
@@ -254,15 +264,21 @@ def storage_options(store: Store) -> dict[str, str] | None:
 
 
 def sample(
-    store: Store, sample_id: str, *, run_id: str | None = None, step: int | None = None
+    store: Store,
+    sample_id: str,
+    *,
+    run_id: str | None = None,
+    step: int | None = None,
+    version: int | None = None,
 ) -> dict[str, Any]:
-    """The row of one sample as a dict (with ``run_id`` and ``step``), read as the loader
-    reads it: page checksums verified, the row checked and bounded (a forged row raises the
-    loader's typed error naming file, run, step and sample before it becomes Python lists)."""
+    """The row of one sample of table ``version`` (None: the latest) as a dict (with
+    ``run_id`` and ``step``), read as the loader reads it: page checksums verified, the row
+    checked and bounded (a forged row raises the loader's typed error naming file, run, step
+    and sample before it becomes Python lists)."""
     context = {"sample_id": sample_id, "run_id": run_id, "step": step}
     chosen = [
         f
-        for f in store.files()
+        for f in store.files(version)
         if (run_id is None or f.run_id == run_id) and (step is None or f.step == step)
     ]
     for file in chosen:  # before any is read
@@ -316,10 +332,12 @@ def sample_view(
     run_id: str | None = None,
     step: int | None = None,
     thumb: int = THUMB_SIZE,
+    version: int | None = None,
 ) -> Image.Image:
     """A header line, the thumbnails of the sample's images, a strip of sampled frames per
-    video (when it has any) and its token strip, stacked."""
-    row = sample(store, sample_id, run_id=run_id, step=step)
+    video (when it has any) and its token strip, stacked (the sample of table ``version``;
+    None: the latest)."""
+    row = sample(store, sample_id, run_id=run_id, step=step, version=version)
     clips = row.get("videos") or []
     n, prompt = len(row["tokens"]), row["prompt_len"]
     header = (
@@ -635,14 +653,11 @@ def _ref_facts(
     store: Store, scanned: pl.LazyFrame, files: Sequence[TableFile], progress: bool | None
 ) -> pl.DataFrame:
     """Every image ref with its media file size (null when absent) and dense fp32 bytes."""
-    refs = (
-        _explode_refs(scanned)
-        .select(*SUMMARY_KEYS, "uri", "hash", "width", "height", "layout_fingerprint")
-        .collect()
-    )
+    shape = ["layout_fingerprint", "width", "height", "length"]
+    refs = _explode_refs(scanned).select(*SUMMARY_KEYS, "uri", "hash", *shape).collect()
     sizes = _media_sizes(store, refs["uri"].unique().to_list())
     layouts = _file_layouts(store, [f.path for f in files], progress)
-    shapes = refs.select("layout_fingerprint", "width", "height").unique()
+    shapes = refs.select(shape).unique()
     dense = shapes.with_columns(
         dense_bytes=pl.Series(
             [_dense_bytes(layouts, *key) for key in shapes.iter_rows()], dtype=pl.Int64
@@ -650,12 +665,12 @@ def _ref_facts(
     )
     return refs.with_columns(
         media_size=pl.col("uri").replace_strict(sizes, default=None, return_dtype=pl.Int64)
-    ).join(dense, on=["layout_fingerprint", "width", "height"], how="left")
+    ).join(dense, on=shape, how="left")
 
 
 def _clip_facts(store: Store, scanned: pl.LazyFrame) -> pl.DataFrame:
-    """Every video ref's run, step, uri and clip size (null when absent)."""
-    clips = _explode_videos(scanned).select(*SUMMARY_KEYS, "uri").collect()
+    """Every video ref's run, step, uri, sampled frames and clip size (null when absent)."""
+    clips = _explode_videos(scanned).select(*SUMMARY_KEYS, "uri", "n_frames").collect()
     sizes = _media_sizes(store, clips["uri"].unique().to_list()) if clips.height else {}
     return clips.with_columns(
         media_size=pl.col("uri").replace_strict(sizes, default=None, return_dtype=pl.Int64)
@@ -708,7 +723,7 @@ def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
                 continue
             if any(isinstance(v, int) and v <= 0 for _, v in layout.parameters):
                 raise ValueError("non-positive layout parameter")
-            family_for_layout(layout).pixel_shape(224, 224)
+            _dense_elements(layout, 224, 224, 1)
             layouts[str(fp)] = layout
     # Forged metadata can fail in any way (bad JSON, wrong keys or types, zero sizes, deep
     # nesting); whichever it is, the footer is what is wrong: say so, naming the file.
@@ -720,16 +735,66 @@ def _footer_layouts(raw: bytes | None, rel: str) -> dict[str, Layout]:
 
 
 def _dense_bytes(
-    layouts: dict[str, Layout], fingerprint: str, width: int, height: int
+    layouts: dict[str, Layout], fingerprint: str, width: int, height: int, length: int
 ) -> int | None:
     layout = layouts.get(fingerprint) or layout_for_fingerprint(fingerprint)
     if layout is None:
         return None
     try:
-        shape = family_for_layout(layout).pixel_shape(width, height)
+        elements = _dense_elements(layout, width, height, length)
     except MmstoreError:  # a size the family cannot lay out: unknown, not a crash
         return None
-    return int(np.prod(shape)) * FP32_BYTES
+    return None if elements is None else elements * FP32_BYTES
+
+
+def _dense_elements(layout: Layout, width: int, height: int, length: int) -> int | None:
+    """The elements of one image's float ``pixel_values`` under ``layout``: the image is
+    ``width`` x ``height`` and its span ``length`` tokens. The families mmstore ships are
+    computed here from the layout's parameters alone, so that ``summary`` (and ``mmstore
+    stats``) import neither transformers nor torch; a family registered by a third party
+    asks its own ``pixel_shape``. None where the size cannot be laid out."""
+    cls = family_class(layout.family)
+    estimate = _DENSE_ESTIMATES.get(f"{cls.__module__}.{cls.__qualname__}")
+    if estimate is None:
+        return math.prod(family_for_layout(layout).pixel_shape(width, height))
+    return estimate(dict(layout.parameters), width, height, length)
+
+
+def _grid_elements(p: dict[str, Any], width: int, height: int, length: int) -> int | None:
+    """Qwen-VL, GLM-4V, Kimi-K2.5: the span is one token per merge window of patches (t x h
+    x w / merge²), each patch ``3 x temporal_patch_size x p x p`` values (Kimi: t = 1)."""
+    if length <= 0:
+        return None
+    patch = 3 * p.get("temporal_patch_size", 1) * p["patch_size"] ** 2
+    return int(length * p["merge_size"] ** 2 * patch)
+
+
+def _gemma3_elements(p: dict[str, Any], width: int, height: int, length: int) -> int:
+    """Gemma 3: every image is resized to one size."""
+    return int(3 * p["resized_height"] * p["resized_width"])
+
+
+def _pixtral_elements(p: dict[str, Any], width: int, height: int, length: int) -> int | None:
+    """Pixtral: fitted within ``longest_edge`` (floored), then each side rounded up to
+    whole tokens of ``patch_size x spatial_merge_size`` pixels (transformers'
+    ``get_resize_output_image_size``; tests check this against it)."""
+    longest, side = p["longest_edge"], p["patch_size"] * p["spatial_merge_size"]
+    ratio = max(height / longest, width / longest)
+    if ratio > 1:
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    if height <= 0 or width <= 0:
+        return None
+    rows, cols = (height - 1) // side + 1, (width - 1) // side + 1
+    return int(3 * rows * side * cols * side)
+
+
+_DENSE_ESTIMATES: dict[str, Callable[[dict[str, Any], int, int, int], int | None]] = {
+    "mmstore._families.qwen_vl.QwenVL": _grid_elements,
+    "mmstore._families.glm4v.Glm4v": _grid_elements,
+    "mmstore._families.kimi_k25.KimiK25": _grid_elements,
+    "mmstore._families.gemma3.Gemma3": _gemma3_elements,
+    "mmstore._families.pixtral.Pixtral": _pixtral_elements,
+}
 
 
 def _aggregate(frame: pl.DataFrame, keys: list[str], *aggs: pl.Expr) -> pl.DataFrame:

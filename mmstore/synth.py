@@ -23,6 +23,7 @@ from PIL import Image, ImageDraw
 
 from mmstore._families import Family
 from mmstore._format.models import MediaRef, Rollout
+from mmstore._format.video import _av
 from mmstore._rows.store import Store
 
 # Qwen chat-template tokens around an image (ids from the Qwen2-VL tokenizer).
@@ -63,11 +64,12 @@ def screen_recording(
 ) -> bytes:
     """A deterministic screen recording: a :func:`screenshot` whose cursor moves across it
     and whose text lines appear one by one, as an MP4 (MPEG-4 Part 2, a keyframe every 12
-    frames); what ``store.put_video`` takes. Needs PyAV (the ``video`` extra); ``width`` and
-    ``height`` are rounded down to even numbers (yuv420p)."""
+    frames); what ``store.put_video`` takes. Needs PyAV (the ``video`` extra: without it,
+    :class:`InvalidArgumentError` says how to install it); ``width`` and ``height`` are
+    rounded down to even numbers (yuv420p)."""
     import io
 
-    import av  # the video extra
+    av = _av()  # the video extra, or the error that names it
 
     width, height = max(2, width - width % 2), max(2, height - height % 2)
     base = screenshot(seed, width, height)

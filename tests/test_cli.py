@@ -109,7 +109,7 @@ def test_inspect_lists_rollouts(known, capsys):
         assert sample_id in result.stdout
     assert "6 of 6 rollouts" in result.stdout
     header = result.stdout.splitlines()[0].split()
-    assert header[:4] == ["run_id", "step", "sample_id", "group_id"]
+    assert header[:4] == ["run", "step", "sample", "group"]
 
     result = call_cli(capsys, "inspect", known["root"], "--run", "r1", "--step", "0", "--json")
     assert result.returncode == 0, result.stderr
@@ -172,8 +172,8 @@ def test_stats_table_and_json(known, capsys):
     result = call_cli(capsys, "stats", known["root"])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:5] == ["run", "step", "rows", "images", "unique"]
-    assert max(map(len, lines)) <= 100  # fits a terminal
+    assert lines[0].split()[:5] == ["run", "step", "rows", "images", "dedup"]
+    assert max(map(len, lines)) <= 80  # fits a terminal
     assert [line.split()[:3] for line in lines[1:4]] == [
         ["r1", "0", "3"],
         ["r1", "1", "2"],
@@ -408,7 +408,7 @@ def test_a_missing_store_error_speaks_to_a_shell_user(tmp_path, known, capsys):
 
 def test_output_fits_a_terminal_and_json_keeps_token_lists_on_one_line(known, capsys):
     result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1")
-    assert result.returncode == 0 and max(map(len, result.stdout.splitlines())) <= 100
+    assert result.returncode == 0 and max(map(len, result.stdout.splitlines())) <= 80
     result = call_cli(capsys, "inspect", known["root"], "--sample", "s2", "--run", "r1", "--json")
     row = json.loads(result.stdout)
     assert len(result.stdout.splitlines()) < len(row["tokens"])
@@ -428,9 +428,9 @@ def test_version_and_the_grace_unit(capsys):
 
 
 def lines_of(result: subprocess.CompletedProcess[str]) -> list[str]:
-    """Its output's lines, less those naming one file each (``deleted media/…``): a path is
-    printed whole, to be copied."""
-    path_line = re.compile(r"^(would )?(delete|deleted|remove|removed) \S+$")
+    """Its output's lines, less those naming one file each (``deleted media/…``,
+    ``  image#0  media/…``): a path is printed whole, to be copied."""
+    path_line = re.compile(r"^((would )?(delete|deleted|remove|removed)|  (image|video)#\d+ ) \S+$")
     return [line for line in result.stdout.splitlines() if not path_line.match(line)]
 
 
@@ -439,35 +439,50 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_output_fits_80_columns(copy, capsys, monkeypatch):
-    """stats, inspect (a listing and one sample), gc and release, at COLUMNS=80: every
-    line fits, and no column is lost (they go on to a second table)."""
+WIDE_COMMANDS = (
+    ["stats"],
+    ["stats", "--by", "run"],
+    ["inspect"],
+    ["inspect", "--sample", "s0"],
+    ["log"],
+    ["gc", "--dry-run", "--grace", "0"],
+    ["gc"],
+    ["release", "r2", "--dry-run"],
+)
+
+
+@pytest.mark.parametrize("columns", [None, "200"])
+def test_output_fits_80_columns(copy, capsys, monkeypatch, columns):
+    """Issue 42.2: stats, inspect (a listing and one sample), log, gc and release fit 80
+    columns when nothing says the width (a pipe) and on a wide terminal: the tables are
+    narrow by themselves (no column goes on to a second table) and prose wraps at 80."""
     mmstore.Store.open(copy).put_image(screenshot(98, 90, 90))  # an orphan, for gc to list
-    wide = call_cli(capsys, "stats", copy)
-    assert max(map(len, lines_of(wide))) > 80  # the test below would pass vacuously
-    monkeypatch.setenv("COLUMNS", "80")
-    commands = [
-        ["stats", copy],
-        ["stats", copy, "--by", "run"],
-        ["inspect", copy],
-        ["inspect", copy, "--sample", "s0"],
-        ["gc", copy, "--dry-run", "--grace", "0"],
-        ["gc", copy],
-        ["release", copy, "r2", "--dry-run"],
-    ]
-    for args in commands:
-        result = call_cli(capsys, *args)
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", columns)
+    for args in WIDE_COMMANDS:
+        result = call_cli(capsys, args[0], copy, *args[1:])
         assert result.returncode == 0, result.stderr
         too_wide = [line for line in lines_of(result) if len(line) > 80]
-        assert not too_wide, f"{args[0]}: {too_wide}"
-    narrow = call_cli(capsys, "stats", copy)
-    for header in STATS_HEADERS:
-        assert header in narrow.stdout
+        assert not too_wide, f"{args}: {too_wide}"
+    header = call_cli(capsys, "stats", copy).stdout.splitlines()[0]
+    for name in STATS_HEADERS:
+        assert name in header  # one table: every column on its first line
     sample = call_cli(capsys, "inspect", copy, "--sample", "s0").stdout
     assert "media/" in sample and ".png" in sample  # a cut URI keeps both ends
 
 
-STATS_HEADERS = ("run", "rows", "unique", "dedup", "parquet", "dense fp32", "reward", "missing")
+def test_a_narrow_terminal_splits_tables_and_loses_no_column(copy, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "50")
+    for args in WIDE_COMMANDS:
+        result = call_cli(capsys, args[0], copy, *args[1:])
+        too_wide = [line for line in lines_of(result) if len(line) > 50]
+        assert result.returncode == 0 and not too_wide, f"{args}: {too_wide}"
+    narrow = call_cli(capsys, "stats", copy)
+    for header in STATS_HEADERS:
+        assert header in narrow.stdout
+
+
+STATS_HEADERS = ("run", "rows", "images", "dedup", "parquet", "media", "dense fp32", "reward")
 
 
 def files_under(root: Path, *parts: str) -> list[Path]:
@@ -567,3 +582,175 @@ def test_a_store_in_a_missing_bucket_names_the_bucket(s3_options, capsys, monkey
     plain = call_cli(capsys, "stats", f"s3://{bucket}/store")
     assert_user_error(plain, 1, "no mmstore store", "check the path")
     assert "bucket" not in plain.stderr.replace(bucket, "")
+
+
+# -- issue 42: stats without torch, videos, log, time travel, tokens as text -----------------
+
+
+def test_stats_imports_neither_torch_nor_transformers(known):
+    """Issue 42.2: `stats` took 7.4 s on a 2 MB store, 7.2 of them importing transformers,
+    torchvision and torch._dynamo for the dense fp32 column. It is computed from the layouts
+    in the footers now."""
+    code = (
+        "import sys; from mmstore.cli import main; "
+        f"assert main(['stats', {str(known['root'])!r}]) == 0; "
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}); "
+        "print('heavy', heavy)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "dense fp32" in result.stdout and "heavy []" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def video_root(tmp_path_factory, small_processor) -> Path:
+    """A store whose one run holds video rows only: two refs of one 24-frame clip."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from mmstore.synth import screen_recording
+
+    small = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    video = Qwen2VLVideoProcessor(size=small, cap_pixels_per_frame=False)
+    adapter = mmstore.adapter_for(small_processor, video_processor=video)
+    store = mmstore.Store.open(tmp_path_factory.mktemp("video") / "store", create=True)
+    clip = store.put_video(screen_recording(0, num_frames=24, width=168, height=112, fps=12))
+    prompt = [11, 151652, adapter.video.video_token_id, 151653, 14]
+    expanded = adapter.expand_media(prompt, videos=[clip], fps=2.0)
+    n = len(expanded.tokens)
+    with store.writer(run_id="v", step=0) as w:
+        for k in range(2):
+            w.write(
+                mmstore.Rollout(
+                    sample_id=f"v{k}", tokens=[*expanded.tokens, 100], prompt_len=n,
+                    loss_mask=[False] * n + [True], videos=expanded.videos, reward=float(k),
+                )
+            )  # fmt: skip
+    return Path(store.root)
+
+
+def test_stats_of_a_video_only_store_counts_clips_and_frames(video_root, capsys):
+    """Issue 42.2: a video-only store showed `images 0` and `dense fp32 0 B`."""
+    stats = json.loads(call_cli(capsys, "stats", video_root, "--json").stdout)
+    total = stats["total"]
+    assert (total["videos"], total["video_frames"], total["images"]) == (2, 8, 0)
+    text = call_cli(capsys, "stats", video_root).stdout
+    header = text.splitlines()[0].split()
+    assert header[:5] == ["run", "step", "rows", "videos", "frames"]
+    assert "images" not in header and "dense" not in text  # no image column to mislead
+    assert text.splitlines()[1].split()[:5] == ["v", "0", "2", "2", "8"]
+    listing = call_cli(capsys, "inspect", video_root).stdout
+    assert "videos" in listing.splitlines()[0] and "images" not in listing.splitlines()[0]
+
+
+def test_stats_shows_missing_media_only_where_some_is(copy, known, capsys):
+    assert "missing media: none" in call_cli(capsys, "stats", copy).stdout
+    (copy / known["media"]["C"].uri).unlink()  # r2's image
+    text = call_cli(capsys, "stats", copy).stdout.splitlines()
+    assert text[0].split()[-1] == "missing"
+    assert [line.split()[-1] for line in text[1:4]] == ["0", "0", "1"]  # r1/0, r1/1, r2/0
+
+
+def test_the_release_refusal_names_the_cli_flag(copy, capsys):
+    """Issue 42.2: the refusal told a shell user to pass `force=True`."""
+    assert call_cli(capsys, "pin", copy, "keep", "--run", "r2").returncode == 0
+    refused = call_cli(capsys, "release", copy, "r2", "--grace", "0")
+    assert_user_error(refused, 1, "'keep'", "--force")
+    assert "force=True" not in refused.stderr
+
+
+def released_r2(copy: Path, capsys) -> list[dict]:
+    """The known store's copy after a producer's commit and r2's release with no grace:
+    the versions that listed r2's file are collected."""
+    store = mmstore.Store.open(copy)
+    with store.writer(run_id="r3", step=4, producer="actor-0", seq=7) as w:
+        w.write(mmstore.Rollout(sample_id="p0", tokens=[1, 2], prompt_len=1, loss_mask=[0, 1]))
+    assert call_cli(capsys, "release", copy, "r2", "--grace", "0").returncode == 0
+    return json.loads(call_cli(capsys, "log", copy, "--json").stdout)["versions"]
+
+
+def test_log_lists_the_versions_newest_first(copy, capsys):
+    """Issue 42.3: the table's history: version, time, operation, run/step, producer/seq,
+    rows, and which versions gc left readable."""
+    versions = released_r2(copy, capsys)
+    assert [v["version"] for v in versions] == [5, 4, 3, 2, 1, 0]
+    release, write, *_, create = versions
+    assert (release["operation"], release["partitions"]) == ("DELETE", [["r2", 0]])
+    assert (release["rows_removed"], release["readable"]) == (1, True)
+    assert write["producers"] == [{"producer": "actor-0", "seq": 7}]
+    assert (write["partitions"], write["rows_added"]) == ([["r3", 4]], 1)
+    assert create["operation"] == "CREATE TABLE"
+    # Versions 3 and 4 list r2's file, which gc deleted; the others read whole.
+    assert [v["version"] for v in versions if not v["readable"]] == [4, 3]
+
+    text = call_cli(capsys, "log", copy, "--limit", "2").stdout.splitlines()
+    assert text[0].split() == [
+        "version", "time", "(UTC)", "operation", "run/step", "producer/seq", "rows", "readable"
+    ]  # fmt: skip
+    assert text[1].split()[:1] + text[1].split()[3:] == ["5", "delete", "r2/0", "-", "-1", "yes"]
+    assert text[2].split()[3:] == ["write", "r3/4", "actor-0/7", "+1", "no"]
+    assert "2 of 6 versions (--limit 0 shows all)" in text
+    assert "readable: 0-2, 5 (gc collected files the others list)" in text
+
+
+def test_inspect_an_older_version(copy, capsys):
+    """Issue 42.3: time travel; a collected version is one line naming TableVersionError's
+    message and the versions that still read."""
+    released_r2(copy, capsys)
+    old = json.loads(call_cli(capsys, "inspect", copy, "--version", "1", "--json").stdout)
+    assert [r["sample_id"] for r in old["rows"]] == ["s0", "s1", "s2"]  # r1/0 alone
+    now = json.loads(call_cli(capsys, "inspect", copy, "--json").stdout)
+    assert "s5" not in {r["sample_id"] for r in now["rows"]}  # released
+    sample = call_cli(capsys, "inspect", copy, "--version", "2", "--sample", "s3")
+    assert sample.returncode == 0 and "sample s3  run r1  step 1" in sample.stdout
+    gone = call_cli(capsys, "inspect", copy, "--version", "3")
+    assert_user_error(gone, 1, "version 3 can no longer be read", "0-2, 5")
+    assert_user_error(call_cli(capsys, "inspect", copy, "--version", "9"), 1, "no version 9")
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(copy), "--version", "-1"])
+    assert exit_.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A word-level tokenizer over the known store's text tokens, saved as a model's is."""
+    from tests.families_common import word_level_tokenizer
+
+    vocab = {"[UNK]": 0, "look": 11, "at": 12, "<im>": 13, "</im>": 14}
+    vocab |= {"the": 100, "cat": 101, "sat": 102}
+    path = tmp_path_factory.mktemp("tokenizer")
+    word_level_tokenizer(vocab, unk="[UNK]").save_pretrained(path)
+    return path
+
+
+def test_inspect_decodes_tokens_with_a_tokenizer(known, tokenizer_dir, capsys):
+    """Issue 42.3: a sample's tokens as text, each image span one marker."""
+    s0 = known["rows"]["r1", 0][0]
+    first, second = s0.images
+    result = call_cli(capsys, "inspect", known["root"], "--sample", "s0", "--tokenizer",
+                      tokenizer_dir)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Each text span decoded on its own ("</im> <im>" between the images), each image one
+    # marker in place of its span.
+    prompt = (
+        f"look at <im>[image#0: {first.length} tokens]</im> <im>"
+        f"[image#1: {second.length} tokens]</im>"
+    )
+    lines = result.stdout.splitlines()
+    assert "text (--tokenizer):" in lines and max(map(len, lines)) <= 80  # wrapped
+    assert "  completion: the cat sat" in lines
+    assert f"prompt: {prompt} completion:" in flat(result.stdout)
+    as_json = ["inspect", known["root"], "--sample", "s0", "--tokenizer", tokenizer_dir, "--json"]
+    row = json.loads(call_cli(capsys, *as_json).stdout)
+    assert row["text"] == {"prompt": prompt, "completion": "the cat sat"}
+
+
+def test_a_tokenizer_needs_a_sample_and_a_path_it_loads_from(known, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(known["root"]), "--tokenizer", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--tokenizer needs --sample ID" in capsys.readouterr().err
+    missing = call_cli(capsys, "inspect", known["root"], "--sample", "s0", "--tokenizer",
+                       tmp_path / "nothing")  # fmt: skip
+    assert_user_error(missing, 1, "--tokenizer", "no tokenizer loads from there")

@@ -195,6 +195,8 @@ def test_summary_per_run_and_step(known, small_processor):
         "images",
         "unique_images",
         "dedup_ratio",
+        "videos",
+        "video_frames",
         "parquet_bytes",
         "media_bytes",
         "disk_bytes",

@@ -758,3 +758,41 @@ def test_a_resume_past_a_released_final_commit_ends_and_counts_as_the_uninterrup
     resumed = loader()
     resumed.load_state_dict(state)
     assert drain(resumed) == expected
+
+
+def _forged_rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        live = live_loader(mmstore.Store.open(root), batch_size=1)  # rank, world from gloo
+        try:
+            live.next_step(timeout=10)
+            outcome = ["trained", live.step]
+        except mmstore.MmstoreError as exc:
+            outcome = [type(exc).__name__, exc.context.get("sample_id")]
+        live.close()
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, outcome)  # a rank that trained would hang here
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_reach_the_same_decision_on_a_forged_row(tmp_path):
+    """Item 11 with real torch.distributed ranks: both raise the same typed error naming
+    the forged sample, and both reach the next collective."""
+    store, _ = _forged_step(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "decisions.json"
+    mp.start_processes(
+        _forged_rank_main,
+        args=(2, port, str(store.root), str(out)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    assert json.loads(out.read_text()) == [["InvalidRolloutError", "bad"]] * 2

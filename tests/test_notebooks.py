@@ -13,7 +13,7 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["explore_store", "replay_and_resume"]
+NAMES = ["explore_store", "live_loader", "replay_and_resume"]
 
 
 def read(name: str) -> nbformat.NotebookNode:
