@@ -7,18 +7,21 @@ STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 # `make check` spreads its tests over two pytest-xdist processes (tests that need a resource
 # alone share an xdist_group); `make check XDIST=` runs them in one. `make test` (CI) stays in
-# one process: spread over two it was faster on this 2-core machine (12.8 against about 18
-# min) but once failed 33 Qwen3-VL video tests that depend on the order tests run in (a
-# cached processor some test changes). Fix that, then spread it.
+# one process, where a failure is the simplest to read. (33 Qwen3-VL video tests that once
+# failed spread over two were transformers 5.25's new layout, not the order: fixed.)
 XDIST   ?= -n 2 --dist loadgroup
+# `make demo` on a machine without .venv: a venv of the `torch` extra only (no dev tools).
+DEMO_VENV := .venv-demo
 
 .PHONY: venv test check lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch + torchvision first and pinned: pip takes both from this machine's disk (a CUDA
-	# build that runs on the CPU); torchvision is the fast image-processor backend.
+	# torch + torchvision first and pinned (the versions the tests ran with; torchvision is
+	# the fast image-processor backend). pip takes them from its index: PyPI's are CUDA
+	# builds that also run on a CPU; a CPU-only machine saves 3 GB with
+	# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (README).
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -41,11 +44,14 @@ test: lint
 check: lint
 	$(BIN)/pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
-demo: $(STAMP)
-	$(BIN)/mmstore demo
+# The demo needs the `torch` extra only: the dev venv if there is one, else a small one.
+demo:
+	@if [ -f $(STAMP) ]; then $(BIN)/mmstore demo; else \
+		test -x $(DEMO_VENV)/bin/mmstore || { $(PY) -m venv $(DEMO_VENV) && \
+		$(DEMO_VENV)/bin/pip install -q -e ".[torch]"; } && $(DEMO_VENV)/bin/mmstore demo; fi
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
