@@ -16,6 +16,15 @@ baseline time over mmstore time), measured in one run, interleaved, median with 
   exactly a worker's work per image, so that it shows the loader's own overhead. The
   last, "at once", runs that work in 2 processes at the same time and measures what they
   achieve, rather than assuming 2 vCPUs give twice one (here they gave 1.5-1.9x).
+- ``distinct.persistent_*``: the same workload and loader with ``persistent_workers=True``,
+  read in ``PASSES`` consecutive passes of one loader (a trainer's epochs over one RL step's
+  rollouts): the first pass starts the workers (start-up included), the later ones start
+  nothing. ``persistent_no_cache`` has each worker's image cache off, so every pass decodes
+  and processes every image again: the later passes are the loader without its start-up,
+  over the same limit; ``persistent_cached`` keeps the caches (the default), so later
+  passes serve the images the workers kept (from the third pass: the cache keeps an image
+  it meets again). Every other loader figure here is one fresh loader's pass: start-up
+  included.
 - ``grpo8.*``: GRPO groups of 8 sharing their image (128 groups at full scale), 2 simulated
   ranks running at once (a process each, 2 workers each, one node cache directory, fresh
   per repetition), over the limit of 2 workers (the machine's 2 cores); the node cache's
@@ -58,6 +67,8 @@ from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rat
 from mmstore._format.media import decode_rgb_tensor
 
 WORKERS = 2
+# Consecutive passes of one loader with persistent workers: the first, then the later ones.
+PASSES = 4
 # Contenders never share warm state: no node cache outlives a pass.
 NO_NODE_CACHE = mmstore.Materialize(node_cache_bytes=0)
 BACKENDS = {"pil": Qwen2VLImageProcessorPil, "torchvision": Qwen2VLImageProcessor}
@@ -95,6 +106,17 @@ def _cpu_seconds() -> float:
         resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
     )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _figure(values: list[float]) -> dict[str, Any]:
+    """``values`` (one per repetition) as :func:`interleaved` gives a timing's."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
 
 
 def _distinct_paths(paths: list[list[str]]) -> list[str]:
@@ -209,11 +231,39 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "limit_pil": lambda: _limit(paths, procs["pil"]),
         "mmstore_pil": lambda: ours("pil"),
     }
+    passes: dict[str, list[list[float]]] = {}  # persistent contender: each rep's passes
+
+    def persistent(name: str, settings: mmstore.Materialize) -> tuple[float, int]:
+        """PASSES passes of one loader with persistent workers: the later passes' images/s
+        (each pass's noted in ``passes``), and the images of all of them (CPU tally)."""
+        ds = mmstore.RolloutDataset(store, procs["torchvision"], seed=0, materialize=settings)
+        loader = mmstore.RolloutLoader(
+            ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True
+        )
+        rates = [loader_rate(loader) for _ in range(PASSES)]
+        loader.close()
+        passes.setdefault(name, []).append([rate for rate, _ in rates])
+        later = rates[1:]
+        seconds = sum(images / rate for rate, images in later)
+        return sum(images for _, images in later) / seconds, sum(n for _, n in rates)
+
+    runs["persistent_no_cache"] = functools.partial(
+        persistent, "persistent_no_cache", NO_NODE_CACHE.replace(cache_bytes=0)
+    )
+    runs["persistent_cached"] = functools.partial(persistent, "persistent_cached", NO_NODE_CACHE)
     figures = interleaved(cpu.timing(runs), reps)
+    for name, per_rep in passes.items():  # the first passes, as interleaved gives a timing
+        figures[f"{name}_first"] = _figure([rates[0] for rates in per_rep])
     return {
         "images_per_s": figures,
+        "persistent_passes_images_per_s": passes,
         **ratios(
             figures,
+            persistent_first_over_limit=("persistent_no_cache_first", "limit_torchvision"),
+            persistent_later_over_limit=("persistent_no_cache", "limit_torchvision"),
+            persistent_later_over_first=("persistent_no_cache", "persistent_no_cache_first"),
+            persistent_later_over_fresh_loader=("persistent_no_cache", "mmstore_torchvision"),
+            persistent_cached_later_over_limit=("persistent_cached", "limit_torchvision"),
             torchvision_over_limit=("mmstore_torchvision", "limit_torchvision"),
             torchvision_over_tensor_limit=("mmstore_torchvision", "limit_torchvision_tensor"),
             torchvision_over_cast_inside_limit=(
@@ -230,6 +280,10 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
         "cpu_limit_over_torchvision": (
             cpu.median("limit_torchvision") / cpu.median("mmstore_torchvision")
+        ),
+        # All PASSES passes, the first's start-up included (once, not once a pass).
+        "cpu_limit_over_persistent": (
+            cpu.median("limit_torchvision") / cpu.median("persistent_no_cache")
         ),
     }
 
@@ -357,7 +411,42 @@ def ratios(figures: dict[str, dict[str, Any]], **pairs: tuple[str, str]) -> dict
 def table(result: dict[str, Any]) -> str:
     d, g, w = result["distinct"], result["grpo8"], result["write"]
     rows = [
-        ("loader tv / limit tv, distinct", d, "torchvision_over_limit", ">= 0.9"),
+        (
+            "loader tv / limit tv, distinct (one fresh loader's pass: start-up included)",
+            d,
+            "torchvision_over_limit",
+            ">= 0.9",
+        ),
+        (
+            f"persistent workers, first of {PASSES} passes / limit tv (start-up included)",
+            d,
+            "persistent_first_over_limit",
+            "",
+        ),
+        (
+            "persistent workers, later passes, image cache off / limit tv (no start-up)",
+            d,
+            "persistent_later_over_limit",
+            ">= 0.8 (issue 43)",
+        ),
+        (
+            "persistent workers, later passes / first pass (image cache off)",
+            d,
+            "persistent_later_over_first",
+            "",
+        ),
+        (
+            "persistent workers, later passes (cache off) / one fresh loader's pass",
+            d,
+            "persistent_later_over_fresh_loader",
+            "",
+        ),
+        (
+            "persistent workers, later passes, caches kept / limit tv (cache hits, not decodes)",
+            d,
+            "persistent_cached_later_over_limit",
+            "",
+        ),
         ("loader tv / limit tv with TorchCodec decode", d, "torchvision_over_tensor_limit", ""),
         (
             "loader tv / limit tv with TorchCodec decode, bf16 cast inside",
@@ -387,6 +476,13 @@ def table(result: dict[str, Any]) -> str:
         ("GRPO-8 2x2 loader / limit at once", g, "over_limit_at_once", ""),
         ("GRPO-8 each image once / limit at once", g, "distinct_over_limit_at_once", ""),
         ("CPU s/image: limit tv / loader tv, distinct", d, "cpu_limit_over_torchvision", ""),
+        (
+            f"CPU s/image: limit tv / persistent workers, {PASSES} passes (one start-up), "
+            "cache off",
+            d,
+            "cpu_limit_over_persistent",
+            "",
+        ),
         ("CPU s/image: limit / GRPO-8 2x2 loader", g, "cpu_limit_over_mmstore", ""),
         ("CPU s/image: limit / GRPO-8 each image once", g, "cpu_limit_over_distinct", ""),
         ("plain+fsync write time / mmstore", w, "plain_fsync_over_mmstore", ">= 0.67"),
@@ -406,6 +502,13 @@ def table(result: dict[str, Any]) -> str:
         *(
             f"| {name} | {section[key]:.2f} | {paired(section, key)} | {target} |"
             for name, section, key, target in rows
+        ),
+        "",
+        "Persistent workers, images/s of each pass in order (median over repetitions): "
+        + "; ".join(
+            f"{name}: "
+            + ", ".join(f"{statistics.median(rates):.1f}" for rates in zip(*per_rep, strict=True))
+            for name, per_rep in d["persistent_passes_images_per_s"].items()
         ),
         "",
         f"GRPO-8 node cache: {g['distinct_images']} distinct images of {g['images']}; "

@@ -38,8 +38,14 @@ def test_speed_benchmark_smoke():
         "torchvision_over_cast_inside_limit",
         "torchvision_over_limit_at_once",
         "torchvision_over_pil",
+        "persistent_first_over_limit",
+        "persistent_later_over_limit",
+        "persistent_cached_later_over_limit",
     ):
         assert result["distinct"][key] > 0
+    passes = result["distinct"]["persistent_passes_images_per_s"]
+    counts = [len(rates) for per_rep in passes.values() for rates in per_rep]
+    assert counts == [bench_speed.PASSES] * 2
     grpo = result["grpo8"]
     assert grpo["over_limit_at_once"] > 0 and grpo["distinct_over_limit_at_once"] > 0
     # Every ratio also within each repetition; with one repetition, that ratio is the value.

@@ -178,7 +178,8 @@ def test_set_epoch_to_another_epoch_starts_it_over(filled, small_processor):
     whole = [batch_key(b) for b in loader]  # reads epoch 0, then stands at epoch 1
     loader.set_epoch(0)
     head = [batch_key(b) for _, b in zip(range(2), loader, strict=False)]
-    loader.set_epoch(0)  # the current epoch: keeps the position
+    loader.load_state_dict(loader.state_dict())  # continue after the break (issue 42)
+    loader.set_epoch(0)  # the current epoch: keeps the resume point
     rest = [batch_key(b) for b in loader]
     assert head + rest == whole
     with pytest.raises(mmstore.InvalidArgumentError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from mmstore._loading.materialize import Materializer, Sample
 from mmstore._loading.microbatch import packed_input_names
 from mmstore._loading.options import flag, optional_whole, seconds, whole
 from mmstore._loading.packed import PackedPlanner, PackedStream
+from mmstore._loading.persistent import PersistentWorkers, worker_options
 from mmstore._loading.ranks import agreed_version
 from mmstore._loading.settings import Materialize, rank_and_world, settings_from
 from mmstore._loading.spec import MaterializerSource, ReadSpec
@@ -34,7 +35,6 @@ from mmstore._loading.workers import (
     WorkerStream,
     check_context,
     check_worker_threads,
-    init_worker,
     reraise,
     start_method,
 )
@@ -285,12 +285,19 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        spec = self.spec
-        plan = spec.plan(self.epoch)
         total = self.total
         if total is None:
-            total = plan.num_batches(self.batch_size, self.drop_last)
-        mine = worker_batches(self.start, total, worker, workers)
+            total = self.spec.plan(self.epoch).num_batches(self.batch_size, self.drop_last)
+        for batch in self.batches(self.epoch, worker_batches(self.start, total, worker, workers)):
+            if info is None:
+                self.start = batch["batch_index"] + 1
+            yield batch
+
+    def batches(self, epoch: int, mine: range) -> Generator[dict[str, Any], None, None]:
+        """Batches ``mine`` (increasing indices) of ``epoch``, built in this process: the
+        rows of each window read once, its media read ahead, as the samples come."""
+        spec = self.spec
+        plan = spec.plan(epoch)
         bs = self.batch_size
         positions = (p for b in mine for p in range(b * bs, min((b + 1) * bs, plan.num_samples)))
         materializer = self.source.get()
@@ -298,7 +305,7 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
         pending: list[Sample] = []
         hits, misses = cache.hits, cache.misses
         node_hits, node_misses = (node.hits, node.misses) if node else (0, 0)
-        for position, sample in self.source.samples(spec, self.epoch, positions):
+        for position, sample in self.source.samples(spec, epoch, positions):
             pending.append(sample)
             if position + 1 == min((position // bs + 1) * bs, plan.num_samples):
                 batch = collate(
@@ -325,8 +332,6 @@ class _BatchStream(IterableDataset[dict[str, Any]]):
                     batch["node_cache_hits"] = 0
                     batch["node_cache_misses"] = batch["cache_misses"]
                 pending = []
-                if info is None:
-                    self.start = batch["batch_index"] + 1
                 yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -352,9 +357,10 @@ class RolloutLoader:
             for batch in loader:
                 ...
 
-    Breaking out of ``for batch in loader`` and iterating again continues after the last
-    batch handed out (a plain ``DataLoader`` would start the epoch over); call
-    ``set_epoch`` with another epoch, or build a new loader, to start afresh.
+    As torchdata's ``StatefulDataLoader``: a state loaded applies to the next iterator, which
+    continues from it; any other new iterator (after a ``break``, or a peek) starts the
+    epoch over, so no batch is lost; ``loader.load_state_dict(loader.state_dict())``
+    continues after a ``break``.
 
     Ranks' shares differ by at most one sample, so their batch counts by at most one; FSDP/DDP
     hang when one rank runs a step the others don't: ``even_ranks=True`` stops every rank
@@ -425,6 +431,12 @@ class RolloutLoader:
             ``"forkserver"`` or a context; workers only).
         worker_threads: torch threads per worker (>= 1; workers only); more than one needs
             ``"spawn"`` or ``"forkserver"``.
+        persistent_workers: keep the workers, their image caches and the packed plan from
+            one pass to the next (epochs, ``set_epoch``, a resume of the same snapshot;
+            workers only): a pass after the first starts no process. The batches and their
+            order are the same; :meth:`close` (or dropping the loader) stops the workers;
+            one that died raises :class:`WorkerDiedError`, and the next pass starts new
+            ones. One pass at a time: a new iterator ends the one before.
     """
 
     def __init__(
@@ -443,8 +455,10 @@ class RolloutLoader:
         timeout: float = 0,
         multiprocessing_context: Any = None,
         worker_threads: int | None = None,
+        persistent_workers: bool = False,
         **flat_settings: Any,
     ) -> None:
+        self._workers: PersistentWorkers | None = None  # (first: __del__ reads it)
         self.dataset = dataset
         self.materialize = settings = settings_from(
             None,
@@ -467,6 +481,7 @@ class RolloutLoader:
         self.timeout = seconds("timeout", timeout)
         self.multiprocessing_context = check_context(multiprocessing_context)
         self.worker_threads = check_worker_threads(worker_threads, multiprocessing_context)
+        self.persistent_workers = flag("persistent_workers", persistent_workers)
         self._refuse_worker_options_without_workers(worker_threads)
         self._planner = (
             None
@@ -536,6 +551,7 @@ class RolloutLoader:
             "timeout": self.timeout > 0,
             "multiprocessing_context": self.multiprocessing_context is not None,
             "worker_threads": worker_threads is not None,
+            "persistent_workers": self.persistent_workers,
         }
         named = [name for name, on in given.items() if on]
         if named:
@@ -585,7 +601,7 @@ class RolloutLoader:
             self._planner = self._planner.for_spec(self.dataset.spec)
         return self._planner
 
-    def _stream(self, epoch: int, start: int, total: int) -> IterableDataset[dict[str, Any]]:
+    def _stream(self, epoch: int, start: int, total: int) -> _BatchStream | PackedStream:
         """Batches (or packed micro-batches) ``start..total-1`` of ``epoch`` on this rank."""
         planner = self._packed()
         if planner is not None:
@@ -631,24 +647,7 @@ class RolloutLoader:
             self.batches_yielded = 0
         self._resume = False
         total = len(self)
-        stream = self._stream(self.epoch, self.batches_yielded, total)
-        buffers = self._batch_buffers()
-        if self.num_workers and takes_tensors(self.dataset.adapter.image_processor):
-            warm_decoder()  # imported once here, not once in each worker it forks (~50 ms)
-        loader = DataLoader(
-            WorkerStream(stream, buffers) if self.num_workers else stream,
-            batch_size=None,
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor if self.num_workers else None,
-            pin_memory=self.pin_memory,
-            multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
-            timeout=self.timeout,
-            worker_init_fn=functools.partial(init_worker, self.worker_threads),
-        )
-        for built in loader:
-            reraise(built)
-            if buffers is not None:
-                buffers.track(built)
+        for built in self._built(self.epoch, self.batches_yielded, total):
             batch = self.finish_batch(built)
             if batch["images_missing"]:
                 warnings.warn(
@@ -660,6 +659,69 @@ class RolloutLoader:
             yield batch
         if self.batches_yielded >= total:
             self._start_epoch(self.epoch + 1)
+
+    def _built(self, epoch: int, start: int, total: int) -> Iterator[dict[str, Any]]:
+        """Batches ``start..total-1`` of ``epoch`` as built (in workers, or here), a
+        worker's error raised, shared buffers tracked."""
+        if self.persistent_workers:
+            yield from self._persistent().batches(epoch, start, total)
+            return
+        stream = self._stream(epoch, start, total)
+        buffers = self._batch_buffers()
+        if self.num_workers and takes_tensors(self.dataset.adapter.image_processor):
+            warm_decoder()  # imported once here, not once in each worker it forks (~50 ms)
+        loader = DataLoader(
+            WorkerStream(stream, buffers) if self.num_workers else stream,
+            batch_size=None,
+            **self._worker_options(),
+        )
+        for built in loader:
+            reraise(built)
+            if buffers is not None:
+                buffers.track(built)
+            yield built
+
+    def _worker_options(self) -> dict[str, Any]:
+        return worker_options(
+            self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            timeout=self.timeout,
+            multiprocessing_context=self.multiprocessing_context,
+            worker_threads=self.worker_threads,
+        )
+
+    def _persistent(self) -> PersistentWorkers:
+        """The workers kept across passes: the living ones, or new ones for the dataset's
+        current snapshot (a resume may have replaced it: the workers hold their spec)."""
+        spec = self.dataset.spec
+        if self._workers is not None and self._workers.spec is not spec:
+            self.close()
+        if self._workers is None:
+            context = self.multiprocessing_context
+            self._workers = PersistentWorkers(
+                self._stream(self.epoch, 0, len(self)),
+                spec,
+                self._worker_options(),
+                functools.partial(
+                    batch_buffers, self.num_workers, start_method(context), self.prefetch_factor
+                ),
+                warm=takes_tensors(self.dataset.adapter.image_processor),
+            )
+        return self._workers
+
+    def close(self) -> None:
+        """Stop the persistent workers (``persistent_workers=True``); the next iteration
+        starts new ones. Without them, nothing to do: each pass's workers end with it."""
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 - at interpreter exit even contextlib may be gone
+            self.close()
+        except Exception:
+            pass
 
     def _batch_buffers(self) -> BatchBuffers | None:
         """Reusable shared memory for the workers' batches (:mod:`.buffers`): forked

@@ -14,6 +14,7 @@ device stage).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -156,15 +157,20 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         self.epoch = epoch
         self.start = start
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        plan, order = self.planner.plan(self.epoch)
+        plan, _ = self.planner.plan(self.epoch)
+        stop = len(plan) if self.stop is None else min(self.stop, len(plan))
+        yield from self.batches(self.epoch, range(self.start + worker, stop, workers))
+
+    def batches(self, epoch: int, indices: range) -> Generator[dict[str, Any], None, None]:
+        """Micro-batches ``indices`` (increasing) of ``epoch``, built in this process."""
+        plan, order = self.planner.plan(epoch)
         spec = self.planner.spec
         cache = self.source.get().cache
         reader = UnitReader(spec.store, self.source)
-        stop = len(plan) if self.stop is None else min(self.stop, len(plan))
-        for index in range(self.start + worker, stop, workers):
+        for index in indices:
             hits, misses = cache.hits, cache.misses
             samples = [self._sample(int(order[p]), reader) for p in plan.samples(index)]
             batch = pack(
@@ -176,7 +182,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
                 distinct_images=self.distinct_images,
             )
             batch.update(
-                epoch=self.epoch,
+                epoch=epoch,
                 step=int(plan.step[index]),
                 micro=int(plan.micro[index]),
                 num_micro=int(plan.num_micro[index]),
