@@ -27,7 +27,7 @@ Measured:
    opens for rollout files (``open_rollout_file`` opens them through the store's
    ``backend.fs``, replaced for the pass by a ``LocalFileSystem`` whose files count what
    Parquet reads: footers, column chunks, page headers). Each pass runs in a process of
-   its own, forked from one that never read a rollout file through mmstore (no footer or
+   its own, spawned (a fresh interpreter: never a fork of the writing process) (no footer or
    image cache shared between contenders; the counts do not depend on the page cache);
    ``startup`` is the bytes read building the dataset (snapshot, footers, planning),
    ``per_batch`` the bytes read while iterating divided by the batches (start-up
@@ -61,6 +61,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import statistics
 import tempfile
@@ -84,6 +85,7 @@ from mmstore.synth import VISION_END, VISION_START, screenshot
 GROUP_SIZE = 8
 IMAGE_SIZE = (800, 600)
 ROW_GROUP_SIZE = 32
+PASS_TIMEOUT = 600  # seconds one read pass may take before the benchmark gives up
 BATCH_SIZE = 8
 TOPK = 32
 EXPERTS = (60, 8)
@@ -312,14 +314,22 @@ def read_pass(root: str, columns: list[str]) -> dict[str, Any]:
 
 
 def read_in_process(root: str, columns: list[str]) -> dict[str, Any]:
-    """:func:`read_pass` in a process of its own, forked from this one (which never built a
-    loader nor read a rollout file through mmstore): no contender sees another's caches."""
-    context = multiprocessing.get_context("fork")
-    results = context.SimpleQueue()
+    """:func:`read_pass` in a fresh process of its own (spawned: no contender sees another's
+    caches, and no fork of a process whose delta-rs runtime exists, which hangs or panics
+    in the child: the stores were written here, with a Delta schema change)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
     process = context.Process(target=_read_into, args=(results, root, columns))
     process.start()
-    outcome = results.get()
-    process.join()
+    try:
+        outcome = results.get(timeout=PASS_TIMEOUT)
+    except queue.Empty:
+        process.kill()
+        raise RuntimeError(
+            f"the read pass gave nothing in {PASS_TIMEOUT} s (exit code {process.exitcode})"
+        ) from None
+    finally:
+        process.join(timeout=30)
     if isinstance(outcome, str):
         raise RuntimeError(f"the read pass failed:\n{outcome}")
     return outcome
