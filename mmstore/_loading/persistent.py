@@ -7,7 +7,7 @@ k-th name to worker ``k % n`` and yields the results in the sampler's order, so 
 the planned one by construction, whatever a worker does.
 
 Each worker serves the names it gets from a generator over the stream's batches ``index,
-index + n, …`` (:meth:`_BatchStream.batches` or :meth:`.packed.PackedStream.batches`: the
+index + n, …`` (:meth:`.dataset._BatchStream.batches` or :meth:`.packed.PackedStream.batches`: the
 code a worker of a loader without persistent workers runs, window by window, media read
 ahead), so a pass costs what it costs there minus the start-up. A name it does not expect
 next (a new pass, a resume, another epoch) starts a new generator at that batch: a batch is
