@@ -43,6 +43,8 @@ if __name__ == "__main__":  # as a script: the repository's tests package import
 import pytest
 
 import mmstore
+from mmstore._lifecycle.gc import RELEASE_MARKER
+from mmstore._rows.runs import run_dir
 from tests import live_workers, store_workers
 from tests.store_workers import fork_child, image_bytes, make_row, remake, small_adapter
 from tests.test_commit_protocol import AnswerDroppingProxy
@@ -501,6 +503,19 @@ def ab_release(root: str, grace: float, marker_fd: int) -> None:
     os.write(marker_fd, b"d")
 
 
+def ab_release_again(root: str, grace: float) -> None:
+    """Run the release again after its SIGKILL. A kill that landed after the release had
+    finished (its marker deleted, before it said so or while the process exited) leaves
+    nothing to finish: then ``release_run`` rightly says B is not in the store, and B's
+    rows must be gone."""
+    store = mmstore.Store.open(root)
+    try:
+        mmstore.release_run(store, "B", grace_seconds=grace)
+    except mmstore.RunNotFoundError:
+        assert store.backend.stat(f"{run_dir('B')}/{RELEASE_MARKER}") is None
+        assert "B" not in {f.run_id for f in store.table.snapshot().files}
+
+
 def ab_gc(root: str, grace: float) -> None:
     mmstore.gc(mmstore.Store.open(root), grace_seconds=grace)
 
@@ -555,7 +570,7 @@ def ab_drive(spec: dict[str, Any]) -> dict[str, Any]:
         outcome["release_killed"] = True
     elif os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"release_run failed with status {status}")
-    store_workers._run_to_end(lambda: ab_release(root, grace, os.open(os.devnull, os.O_WRONLY)))
+    store_workers._run_to_end(lambda: ab_release_again(root, grace))
     time.sleep(grace + 0.5)
     store_workers._run_to_end(lambda: ab_gc(root, grace))  # the released bytes go
     with open(released, "w"):
