@@ -64,6 +64,7 @@ QwenVLAdapter = QwenVL
 if TYPE_CHECKING:
     from mmstore._loading.dataset import RolloutDataset, RolloutLoader
     from mmstore._loading.distinct import expand_images
+    from mmstore._loading.forest import forest_attention_mask
     from mmstore._loading.live import LiveLoader
     from mmstore._loading.settings import Materialize
 
@@ -75,6 +76,7 @@ _TORCH_NAMES = {
     "RolloutDataset": "._loading.dataset",
     "RolloutLoader": "._loading.dataset",
     "expand_images": "._loading.distinct",
+    "forest_attention_mask": "._loading.forest",
     "LiveLoader": "._loading.live",
     "Materialize": "._loading.settings",
 }
@@ -154,6 +156,7 @@ __all__ = [
     "VerifyReport",
     "WireFormatError",
     "adapter_for",
+    "forest_attention_mask",
     "known_families",
     "register_family",
     "chat",

@@ -119,15 +119,16 @@ def tiny_model(model_cls: Any, config: Any, dtype: torch.dtype, *, attn: str = "
     return model_cls(config).to(dtype).eval()
 
 
-def model_inputs(loader: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """What the loader says its model takes, from one of its batches."""
-    return {k: batch[k] for k in loader.model_input_names}
+def model_inputs(loader: Any, batch: Mapping[str, Any], model: Any = None) -> dict[str, Any]:
+    """What the loader says its model takes, from one of its batches (``model``: where the
+    batch needs an attention mask built for it)."""
+    return loader.model_inputs(batch, model)
 
 
 def model_output(model: Any, loader: Any, batch: Mapping[str, Any], *, labels_on: str) -> Any:
     """The model's output on ``batch``, labelled on the tokens where ``batch[labels_on]``."""
     labels = batch["input_ids"].masked_fill(~batch[labels_on].bool(), -100)
-    return model(**model_inputs(loader, batch), labels=labels)
+    return model(**model_inputs(loader, batch, model), labels=labels)
 
 
 def train_loss(model: Any, loader: Any, batch: Mapping[str, Any]) -> torch.Tensor:

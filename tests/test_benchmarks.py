@@ -106,3 +106,21 @@ def test_columns_benchmark_smoke():
         assert disk["codec"] == ["ZSTD"] and 0 < disk["disk_over_raw"] <= 1.3, name
     assert result["write_with_over_without"] > 0
     assert "bytes read per batch" in bench_columns.table(result)
+
+
+def test_forest_benchmark_smoke():
+    """Issue 41's prefix forests: a GRPO step and a per-turn agent forward exactly their
+    distinct tokens and run each distinct screenshot once; unshared packing forwards more."""
+    from benchmarks import bench_forest
+
+    result = bench_forest.run(scale=0.25, reps=1)
+    for kind in ("grpo", "agent"):
+        r = result[kind]
+        assert r["forest"]["tokens"] == r["ideal"]["tokens"], kind
+        assert r["forest"]["images"] == r["ideal"]["images"], kind
+        assert r["flat_over_forest_tokens"] > 2, kind
+    window = result["agent-window"]
+    assert window["forest"]["tokens"] <= window["flat"]["tokens"]
+    assert window["forest"]["samples"] == window["flat"]["samples"] > 0
+    assert result["grpo"]["forest_over_flat_samples_per_s"]["median"] > 0
+    assert "tokens: forest / ideal" in bench_forest.table(result)

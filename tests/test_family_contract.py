@@ -394,7 +394,7 @@ def assert_logits_of_each_sample_alone(model, packed, batch, one_by_one, alone) 
     """Each sample's logits in packed micro-batch ``batch`` equal its logits run alone
     (``alone[sample_id]``: its batch from the one-by-one loader)."""
     with torch.no_grad():
-        logits = model(**model_inputs(packed, batch)).logits[0]
+        logits = model(**model_inputs(packed, batch, model)).logits[0]
         cu = batch["cu_seqlens"].tolist()
         for i, sample_id in enumerate(batch["sample_ids"]):
             expected = model(**model_inputs(one_by_one, alone[sample_id])).logits[0]
@@ -684,7 +684,7 @@ def test_packed_samples_equal_each_sample_alone(case, filled, attn):
                 ds, batch_size=6, max_tokens=lengths[-1] + lengths[0] + dummy
             )
             for batch in loader:
-                logits = model(**model_inputs(loader, batch)).logits[0]
+                logits = model(**model_inputs(loader, batch, model)).logits[0]
                 cu = batch["cu_seqlens"].tolist()
                 packed_many += len(cu) > 2
                 for i, sample_id in enumerate(batch["sample_ids"]):

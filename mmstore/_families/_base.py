@@ -96,6 +96,9 @@ class Family(OfLayout, ABC):
     token_type_input: ClassVar[str | None] = None
     #: rows of position ids: 1 for 1-D RoPE, 3 for M-RoPE (packing adds the text row)
     position_rows: ClassVar[int] = 1
+    #: whether the model's image tokens attend to each other both ways (Gemma 3), which a
+    #: prefix forest's attention mask must keep (``attention_blocks``)
+    images_attend_both_ways: ClassVar[bool] = False
     #: the ``multi_modal_data`` key vLLM's processor for this family takes its images under
     vllm_modality: ClassVar[str] = "image"
 

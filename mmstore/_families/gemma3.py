@@ -70,6 +70,7 @@ class Gemma3(Family):
     image_inputs: ClassVar[Mapping[str, Collation]] = {"pixel_values": "cat"}
     token_type_input = "token_type_ids"
     position_rows = 1
+    images_attend_both_ways = True  # transformers' bidirectional mask over each image
 
     # -- construction -------------------------------------------------------------------
 

@@ -82,9 +82,10 @@ def _video_distinct(name: str) -> Callable[[Family], tuple[str, ...]]:
 INPUT_IDS = BatchKey(
     "input_ids",
     "int64",
-    "the samples' token ids; padded: `pad_token_id` after each; packed: one segment after another",
+    "the samples' token ids; padded: `pad_token_id` after each; packed: one segment after "
+    "another (with `prefix_sharing`: the forest's tokens, each shared prefix once)",
     padded="[B, T]",
-    packed="[1, T]",
+    packed="[1, N]",
 )
 ATTENTION_MASK = BatchKey(
     "attention_mask",
@@ -96,8 +97,8 @@ POSITION_IDS = BatchKey(
     "position_ids",
     "int64",
     "each segment's own position ids from 0, the family's; M-RoPE: a text row (0..len-1 per "
-    "segment), then its 3 rows",
-    packed="[1, T] or [4, 1, T]",
+    "segment), then its 3 rows (a forest token: its position in each sample through it)",
+    packed="[1, N] or [4, 1, N]",
 )
 LOSS_MASK = BatchKey(
     "loss_mask",
@@ -147,13 +148,38 @@ DUMMY_IMAGE = BatchKey(
 #: Per batch: its segments (packed) and its filler.
 LAYOUT = (CU_SEQLENS, MAX_SEQLEN, USE_CACHE, NUM_REAL_TOKENS, DUMMY_IMAGE)
 
+FOREST_INDEX = BatchKey(
+    "forest_index",
+    "int64",
+    "for each token slot of the segments laid end to end, the model token it is: "
+    "`logits[:, forest_index]` lines up with `loss_mask` (without `prefix_sharing`: 0..T-1)",
+    packed="[T]",
+)
+VISIBLE_UNTIL = BatchKey(
+    "visible_until",
+    "int64",
+    "model token `j` is seen by tokens `j .. visible_until[j] - 1` (its own segment's, or in a "
+    "forest its branches'): the attention structure, compact (`mmstore.forest_attention_mask`)",
+    packed="[N]",
+)
+ATTENTION_BLOCKS = BatchKey(
+    "attention_blocks",
+    "int64",
+    "tokens with the same number above 0 see each other both ways (Gemma 3: one image's); 0 "
+    "elsewhere",
+    packed="[N]",
+)
+
+#: Per packed micro-batch: how its model tokens attend (:mod:`.forest`).
+FOREST = (FOREST_INDEX, VISIBLE_UNTIL, ATTENTION_BLOCKS)
+
 TOKEN_TYPES = BatchKey(
     "token types (`mm_token_type_ids`, `token_type_ids`)",
     "int32",
     "the family's per-token types: 1 on image features, the video half's type on video "
     "features (families that take them)",
     padded="[B, T]",
-    packed="[1, T]",
+    packed="[1, N]",
     of_family=_token_types,
 )
 IMAGE_INPUTS = BatchKey(
@@ -401,7 +427,7 @@ LIVE_LOADER = (
 )
 
 #: What collate and pack build, every group of them.
-BUILT = (*TOKENS, *LAYOUT, *FAMILY, *DISTINCT, *SAMPLES)
+BUILT = (*TOKENS, *LAYOUT, *FOREST, *FAMILY, *DISTINCT, *SAMPLES)
 
 #: Keys that travel from a worker to the main process and are gone before the trainer sees
 #: the batch: pending images for the device stage (``device.PENDING_KEY``), the shared
@@ -466,6 +492,7 @@ TABLES: tuple[tuple[str, tuple[BatchKey, ...]], ...] = (
     ("The family's model inputs (names depend on the family)", FAMILY),
     ("Per sample (packed: per segment)", SAMPLES),
     ("The batch's layout and filler", LAYOUT),
+    ("How a packed micro-batch's tokens attend", FOREST),
     ("With `distinct_images=True`", DISTINCT),
     ("Added by `RolloutLoader`", ROLLOUT_LOADER),
     ("Added by `LiveLoader`", LIVE_LOADER),
@@ -478,7 +505,8 @@ def _cell(text: str | None) -> str:
 
 LEGEND = (
     "Shapes: `B` samples of a padded batch, `T` token positions (padded: the longest "
-    "sample's; packed: all segments'), `S` segments of a micro-batch (its samples, then the "
+    "sample's; packed: all segments'), `N` the model's tokens of a packed micro-batch (`T`, "
+    "or fewer with `prefix_sharing`), `S` segments of a micro-batch (its samples, then the "
     "filler segment where it has one), `I` images of the batch in model order, `V` videos, "
     "`D` distinct images (or videos); `scalar` and `list`: a Python value, not a tensor; "
     "`no`: not in that form."

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmstore._families import adapter_for, takes_tensors
 from mmstore._format.media import warm_decoder
 from mmstore._loading.buffers import BatchBuffers, batch_buffers
-from mmstore._loading.collate import collate, model_input_names
+from mmstore._loading.collate import collate
 from mmstore._loading.device import DevicePreprocessor, check_device
+from mmstore._loading.inputs import input_names, model_inputs
 from mmstore._loading.layouts import check_layouts
 from mmstore._loading.materialize import Materializer, Sample
-from mmstore._loading.microbatch import packed_input_names
 from mmstore._loading.options import flag, optional_whole, seconds, whole
 from mmstore._loading.packed import PackedPlanner, PackedStream
 from mmstore._loading.persistent import PersistentWorkers, worker_options
@@ -449,6 +449,7 @@ class RolloutLoader:
         drop_last: bool = False,
         even_ranks: bool = False,
         max_tokens: int | None = None,
+        prefix_sharing: bool = False,
         # workers (torch DataLoader's names)
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
@@ -474,7 +475,9 @@ class RolloutLoader:
         self.pad_token_id = settings.pad_token_id
         self.max_tokens = optional_whole("max_tokens", max_tokens, minimum=1)
         self.distinct_images = settings.distinct_images
+        self.prefix_sharing = flag("prefix_sharing", prefix_sharing)
         self._refuse_padded_options_when_packed()
+        self._refuse_sharing_unless_packed()
         self.num_workers = whole("num_workers", num_workers, minimum=0)
         self.prefetch_factor = optional_whole("prefetch_factor", prefetch_factor, minimum=1)
         self.pin_memory = flag("pin_memory", pin_memory)
@@ -486,7 +489,12 @@ class RolloutLoader:
         self._planner = (
             None
             if self.max_tokens is None
-            else PackedPlanner(dataset.spec, batch_size=self.batch_size, max_tokens=self.max_tokens)
+            else PackedPlanner(
+                dataset.spec,
+                batch_size=self.batch_size,
+                max_tokens=self.max_tokens,
+                prefix_sharing=self.prefix_sharing,
+            )
         )
         self.epoch = dataset.epoch
         self.batches_yielded = 0
@@ -516,6 +524,12 @@ class RolloutLoader:
                 f"drop_last=True with batch_size={self.batch_size} drops every sample of a "
                 f"rank whose share is {smallest} sample(s) ({spec.world_size} rank(s)): "
                 "lower batch_size, or drop drop_last"
+            )
+
+    def _refuse_sharing_unless_packed(self) -> None:
+        if self.prefix_sharing and self.max_tokens is None:
+            raise InvalidArgumentError(
+                "prefix_sharing=True builds packed micro-batches: set max_tokens too"
             )
 
     def _refuse_padded_options_when_packed(self) -> None:
@@ -564,10 +578,21 @@ class RolloutLoader:
     def model_input_names(self) -> tuple[str, ...]:
         """The batch keys the family's transformers model takes:
         ``model(**{k: batch[k] for k in loader.model_input_names})`` runs (packed: position
-        ids and no padding mask)."""
-        if self.max_tokens is not None:
-            return packed_input_names(self.dataset.adapter)
-        return model_input_names(self.dataset.adapter)
+        ids and no padding mask). A prefix forest (``prefix_sharing``) and a packed Gemma 3
+        micro-batch need an attention mask built for the model: :meth:`model_inputs` does
+        that, and this refuses."""
+        return input_names(self.dataset.adapter, **self._form())
+
+    def model_inputs(self, batch: Mapping[str, Any], model: Any = None) -> dict[str, Any]:
+        """What to call the family's model with, in every form:
+        ``model(**loader.model_inputs(batch, model))``. Where the batch needs an attention
+        mask (a prefix forest, a packed Gemma 3 micro-batch) it is built for ``model`` on the
+        batch's device (:func:`mmstore.forest_attention_mask`); elsewhere ``model`` is not
+        needed."""
+        return model_inputs(batch, self.dataset.adapter, model, **self._form())
+
+    def _form(self) -> dict[str, bool]:
+        return {"packed": self.max_tokens is not None, "prefix_sharing": self.prefix_sharing}
 
     def set_epoch(self, epoch: int) -> None:
         """Read ``epoch`` next: from its first batch, or from where this loader stands in it

@@ -169,6 +169,10 @@ class Materializer:
             sample.videos.append(self.video(video, where, sample))
         if sample.missing_uris:
             sample.loss_mask.zero_()
+        missing = set(sample.missing_uris)
+        sample.spans = [
+            (ref.offset, ref.length, "" if ref.uri in missing else ref.hash) for ref in row.images
+        ] + [(video.offset, video.length, "") for video in row.videos]
         return sample
 
     def image(

@@ -39,7 +39,9 @@ UNIT_CACHE = 16
 class PackedPlanner:
     """Plans of one spec's epochs for ``max_tokens`` / ``batch_size`` (cached per epoch)."""
 
-    def __init__(self, spec: ReadSpec, *, batch_size: int, max_tokens: int) -> None:
+    def __init__(
+        self, spec: ReadSpec, *, batch_size: int, max_tokens: int, prefix_sharing: bool = False
+    ) -> None:
         family = spec.adapter
         self.dummy_tokens = family.num_tokens(*family.dummy_size)
         if max_tokens <= self.dummy_tokens:
@@ -50,6 +52,7 @@ class PackedPlanner:
         self.spec = spec
         self.batch_size = batch_size
         self.max_tokens = max_tokens
+        self.prefix_sharing = prefix_sharing
         self._meta: RowMeta | None = None
         self._plans: dict[int, tuple[RankPlan, np.ndarray]] = {}  # the last epoch planned
 
@@ -57,11 +60,19 @@ class PackedPlanner:
         """This planner, or one for ``spec`` if it is another (a resumed run's snapshot)."""
         if spec is self.spec:
             return self
-        return PackedPlanner(spec, batch_size=self.batch_size, max_tokens=self.max_tokens)
+        return PackedPlanner(
+            spec,
+            batch_size=self.batch_size,
+            max_tokens=self.max_tokens,
+            prefix_sharing=self.prefix_sharing,
+        )
 
     def meta(self) -> RowMeta:
         if self._meta is None:
-            self._meta = read_row_meta(self.spec.store, self.spec.snapshot, self.spec.max_len)
+            spec = self.spec
+            self._meta = read_row_meta(
+                spec.store, spec.snapshot, spec.max_len, prefixes=self.prefix_sharing
+            )
         return self._meta
 
     def budget(self) -> int:
@@ -88,6 +99,7 @@ class PackedPlanner:
                 batch_size=self.batch_size,
                 world_size=spec.world_size,
                 budget=self.budget(),
+                shared=None if meta.shared is None else _shared_in_order(meta.shared, order),
             )
             self._plans = {epoch: (packing.for_rank(spec.rank), order)}
         return self._plans[epoch]
@@ -135,6 +147,15 @@ class PackedPlanner:
         return self.spec.snapshot.units[u], row - int(offsets[u])
 
 
+def _shared_in_order(shared: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """What each epoch position shares with the position before it: its row's ``shared``
+    where that position holds the row before it in the file (a block stays in file order),
+    else nothing."""
+    follows = np.zeros(len(order), dtype=bool)
+    follows[1:] = order[:-1] == order[1:] - 1
+    return np.where(follows, shared[order], 0)
+
+
 class PackedStream(IterableDataset[dict[str, Any]]):
     """Micro-batches ``start, start+1, …`` of one rank's epoch, split across workers."""
 
@@ -149,7 +170,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
         pad_token_id: int | None = None,
         distinct_images: bool = False,
     ) -> None:
-        self.planner = planner
+        self.planner = planner  # its prefix_sharing says how micro-batches are built
         self.source = source
         self.distinct_images = distinct_images
         self.stop = stop
@@ -180,6 +201,7 @@ class PackedStream(IterableDataset[dict[str, Any]]):
                 dtype=spec.dtype,
                 pad_token_id=self.pad_token_id,
                 distinct_images=self.distinct_images,
+                prefix_sharing=self.planner.prefix_sharing,
             )
             batch.update(
                 epoch=epoch,

@@ -243,25 +243,35 @@ def plan_epoch(
     batch_size: int,
     world_size: int,
     budget: int,
+    shared: np.ndarray | None = None,
 ) -> PackPlan:
     """Pack epoch positions (``lengths[p]`` tokens, ``has_images[p]``) into micro-batches.
 
     Every length must be at most ``budget`` (the caller refuses longer samples by name).
+
+    ``shared`` (prefix sharing): for each position, the leading tokens it shares with the
+    position before it (0: it starts a tree). A tree's positions within one step go into
+    one micro-batch and cost their tokens after sharing, unless that exceeds ``budget``:
+    then its samples are packed as unshared ones. The forest of a micro-batch never has
+    more tokens than its cost (it may share more: across trees).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     has_images = np.asarray(has_images, dtype=bool)
     n = len(lengths)
     per_step = batch_size * world_size
     steps = -(-n // per_step)
+    cost, head = lengths, np.arange(n)
+    if shared is not None:
+        cost, head = _trees(lengths, np.asarray(shared, dtype=np.int64), per_step, budget)
     grid = np.zeros((steps, per_step), dtype=np.int64)
-    grid.flat[:n] = lengths
+    grid.flat[:n] = np.bincount(head, weights=cost, minlength=n).astype(np.int64)
     bins, num_micro = pack_steps(grid, budget, world_size)
     nb = int(bins.max(initial=-1)) + 1
     rows = np.repeat(np.arange(steps), per_step)[:n]
-    flat_bins = bins.reshape(-1)[:n]
+    flat_bins = bins.reshape(-1)[:n][head]  # a tree's positions go where its head goes
     width = max(nb, 1)
     cell = rows * width + flat_bins
-    loads = np.bincount(cell, weights=lengths, minlength=steps * width).astype(np.int64)
+    loads = np.bincount(cell, weights=cost, minlength=steps * width).astype(np.int64)
     loads = loads.reshape(steps, width)
     filled = (np.bincount(cell, minlength=steps * width) > 0).reshape(steps, width)
     imaged = (np.bincount(cell[has_images], minlength=steps * width) > 0).reshape(steps, width)
@@ -276,6 +286,22 @@ def plan_epoch(
         image_micros,
         rank_tokens,
     )
+
+
+def _trees(
+    lengths: np.ndarray, shared: np.ndarray, per_step: int, budget: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cost, head) of each position: its tokens after sharing with the one before it, and
+    the first position of its tree (trees cut at step boundaries; a tree whose cost exceeds
+    ``budget`` is undone: each of its positions costs its length and heads itself)."""
+    n = len(lengths)
+    starts = (shared <= 0) | (np.arange(n) % per_step == 0)
+    tree = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    cost = np.where(starts, lengths, lengths - np.minimum(shared, lengths))
+    too_big = np.bincount(tree, weights=cost)[tree] > budget
+    head = np.where(too_big, np.arange(n), first[tree])
+    return np.where(too_big, lengths, cost), head
 
 
 def _order_micros(

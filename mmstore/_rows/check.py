@@ -110,6 +110,10 @@ class Sample(Generic[Array, Image]):
     columns: dict[str, Any] = field(default_factory=dict)
     #: which of ``columns`` have a value per token
     token_columns: frozenset[str] = frozenset()
+    #: materialized: each image's then each video's span (offset, length) and what makes
+    #: its features equal another's: the image's hash ("" where nothing may share it: a
+    #: placeholder for missing bytes, a video); prefix sharing compares these
+    spans: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 class RowWindow:

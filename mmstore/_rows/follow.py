@@ -125,7 +125,13 @@ class LogFollower:
     """The files of ``runs`` committed after a cursor, read as new log entries arrive."""
 
     def __init__(
-        self, store: Storage, runs: Iterable[str], *, start: Cursor, max_len: int | None
+        self,
+        store: Storage,
+        runs: Iterable[str],
+        *,
+        start: Cursor,
+        max_len: int | None,
+        prefixes: bool = False,
     ) -> None:
         runs = [runs] if isinstance(runs, str) else list(runs)
         if not runs:
@@ -135,6 +141,7 @@ class LogFollower:
         self.store = store
         self.runs = frozenset(runs)
         self.max_len = max_len
+        self.prefixes = prefixes  # read what each row shares with the one before it
         self.start = start
         # The last version whose entry has been read (its files handed over).
         self.version = start.version - 1
@@ -236,7 +243,12 @@ class LogFollower:
                     first_row = self.start.row
             check_run_id(file)  # its path must name the run the log says
             facts = read_file_facts(
-                self.store, file.path, self.max_len, FOLLOWED_COLUMNS, layouts=True
+                self.store,
+                file.path,
+                self.max_len,
+                FOLLOWED_COLUMNS,
+                layouts=True,
+                prefixes=self.prefixes,
             )
             units = tuple(file_units(self.store, file.path, facts.meta))
             files.append(FollowedFile(entry.version, index, file, units, facts, first_row))

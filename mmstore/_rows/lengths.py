@@ -39,34 +39,42 @@ class RowMeta:
     lengths: np.ndarray  # int64 [N], tokens the loader hands over (after max_len)
     images: np.ndarray  # int64 [N], images kept
     block_start: np.ndarray  # bool [N], True where a run of one group_id starts
+    #: with ``prefixes``: int64 [N], the leading tokens a row shares with the row before it
+    #: in its block (tokens and images equal; 0 where a block starts)
+    shared: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.lengths)
 
 
-def read_row_meta(store: Storage, snapshot: Snapshot, max_len: int | None = None) -> RowMeta:
-    """The planning facts of ``snapshot``: one footer and three small columns per file."""
-    per_file: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-    for path in snapshot.files:
-        per_file[path] = _file_meta(store, path, max_len)
-    lengths, images, starts, offsets = [], [], [], [0]
+def read_row_meta(
+    store: Storage, snapshot: Snapshot, max_len: int | None = None, *, prefixes: bool = False
+) -> RowMeta:
+    """The planning facts of ``snapshot``: one footer and three small columns per file
+    (with ``prefixes``, the token lists too: what each row shares with the one before)."""
+    per_file = {path: read_file_facts(store, path, max_len, prefixes=prefixes)
+                for path in snapshot.files}  # fmt: skip
+    lengths, images, starts, shared, offsets = [], [], [], [], [0]
     for unit in snapshot.units:
-        f_len, f_img, f_start, row_starts = per_file[unit.file]
-        lo = int(row_starts[unit.row_group])
+        facts = per_file[unit.file]
+        lo = int(facts.row_starts[unit.row_group])
         hi = lo + unit.num_rows
-        lengths.append(f_len[lo:hi])
-        images.append(f_img[lo:hi])
-        start = f_start[lo:hi].copy()
+        lengths.append(facts.lengths[lo:hi])
+        images.append(facts.images[lo:hi])
+        start = facts.block_start[lo:hi].copy()
         if len(start):
             start[0] = True  # a unit is read on its own: its first row starts a block
         starts.append(start)
+        if facts.shared is not None:
+            shared.append(np.where(start, 0, facts.shared[lo:hi]))
         offsets.append(offsets[-1] + hi - lo)
     return RowMeta(
         np.asarray(offsets, dtype=np.int64),
         np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
         np.concatenate(images) if images else np.zeros(0, np.int64),
         np.concatenate(starts) if starts else np.zeros(0, bool),
+        (np.concatenate(shared) if shared else np.zeros(0, np.int64)) if prefixes else None,
     )
 
 
@@ -84,13 +92,7 @@ class FileFacts:
     # The image and video layout fingerprints its refs name (read when asked: ``layouts``).
     layouts: frozenset[str] | None = None
     video_layouts: frozenset[str] | None = None
-
-
-def _file_meta(
-    store: Storage, path: str, max_len: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    facts = read_file_facts(store, path, max_len)
-    return facts.lengths, facts.images, facts.block_start, facts.row_starts
+    shared: np.ndarray | None = None  # int64 [rows], with ``prefixes``: see RowMeta
 
 
 def read_file_facts(
@@ -100,10 +102,12 @@ def read_file_facts(
     columns: Sequence[str] = (),
     *,
     layouts: bool = False,
+    prefixes: bool = False,
 ) -> FileFacts:
     """The planning facts of file ``path``: its footer and a few small columns (plus
     ``columns``; one the file lacks, a later-added optional column, reads as nulls; with
-    ``layouts``, the layout fingerprints of its image and video refs, in the same read)."""
+    ``layouts``, the layout fingerprints of its image and video refs, in the same read;
+    with ``prefixes``, what each row shares with the row before it in its block)."""
     parquet = open_rollout_file(store, path)
     meta = parquet.metadata
     row_starts = np.zeros(meta.num_row_groups + 1, dtype=np.int64)
@@ -115,7 +119,12 @@ def read_file_facts(
         leaves += [image_leaf(parquet, "layout_fingerprint", file=path)]
         leaves += [video_leaf] if video_leaf is not None else []
     lengths = decode_num_tokens(meta.metadata, meta.num_rows)
-    wanted = ["group_id", *leaves, *columns] + (["tokens"] if lengths is None else [])
+    if prefixes:
+        leaves += [image_leaf(parquet, "hash", file=path)]
+        video_offsets = media_leaf(parquet, "videos", "offset", file=path)
+        leaves += [video_offsets] if video_offsets is not None else []
+    with_tokens = lengths is None or prefixes
+    wanted = ["group_id", *leaves, *columns] + (["tokens"] if with_tokens else [])
     try:
         # A few small columns: Arrow's thread pool costs more to wake than it saves here.
         table = parquet.read(columns=list(dict.fromkeys(wanted)), use_threads=False)
@@ -139,16 +148,74 @@ def read_file_facts(
     if layouts:
         image_layouts = _layouts(table, "images")
         video_layouts = _layouts(table, "videos") if video_leaf is not None else frozenset()
+    block_start = _block_starts(table.column("group_id"))
+    shared = None
+    if prefixes:
+        videos = table.column("videos") if "videos" in table.column_names else None
+        shared = shared_prefixes(table.column("tokens"), refs, videos, lengths, block_start)
     return FileFacts(
         meta,
         row_starts,
         lengths,
         images,
-        _block_starts(table.column("group_id")),
+        block_start,
         extra,
         layouts=image_layouts,
         video_layouts=video_layouts,
+        shared=shared,
     )
+
+
+def shared_prefixes(
+    tokens: pa.ChunkedArray,
+    images: pa.ListArray,
+    videos: pa.ChunkedArray | None,
+    lengths: np.ndarray,
+    block_start: np.ndarray,
+) -> np.ndarray:
+    """For each row, how many leading tokens (of its first ``lengths``) it shares with the
+    row before it when both are in one block: equal tokens, cut where an image span of
+    either differs from the other's (offset, length, hash) and at either's first video (a
+    video's tokens are never shared). 0 where a block starts."""
+    listed = tokens.combine_chunks()
+    starts = listed.offsets.to_numpy()
+    values = listed.values.to_numpy()
+    spans: dict[int, set[tuple[int, int, str]]] = {}  # of the rows compared only
+    first_video = _first_offsets(videos, len(lengths))
+    shared = np.zeros(len(lengths), dtype=np.int64)
+    for i in map(int, np.flatnonzero(~block_start)):
+        a = values[starts[i] : starts[i] + lengths[i]]
+        b = values[starts[i - 1] : starts[i - 1] + lengths[i - 1]]
+        n = min(len(a), len(b), first_video[i], first_video[i - 1])
+        differ = np.flatnonzero(a[:n] != b[:n])
+        common = int(differ[0]) if len(differ) else int(n)
+        for row in (i - 1, i):
+            if row not in spans:
+                spans[row] = _spans(images[row])
+        unmatched = [o for o, _, _ in spans[i] ^ spans[i - 1] if o < common]
+        shared[i] = min([common, *unmatched])
+    return shared
+
+
+def _spans(refs: pa.Scalar) -> set[tuple[int, int, str]]:
+    values = refs.values
+    if values is None or not len(values):
+        return set()
+    fields = [values.field(name).to_pylist() for name in ("offset", "length", "hash")]
+    return set(zip(*fields, strict=True))
+
+
+def _first_offsets(videos: pa.ChunkedArray | None, rows: int) -> np.ndarray:
+    """Each row's first video offset (``int64`` max where it has none)."""
+    first = np.full(rows, np.iinfo(np.int64).max, dtype=np.int64)
+    if videos is None:
+        return first
+    listed = videos.combine_chunks()
+    for i in range(rows):
+        values = listed[i].values
+        if values is not None and len(values):
+            first[i] = min(values.field("offset").to_pylist())
+    return first
 
 
 def _layouts(table: pa.Table, column: str) -> frozenset[str]:
