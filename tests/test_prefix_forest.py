@@ -12,6 +12,7 @@ micro-batch.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 import mmstore
 from mmstore._loading.forest import build_forest
 from mmstore._planning.pack import plan_epoch
+from mmstore._rows.lengths import read_row_meta
 from tests.families_common import noise
 from tests.family_cases import CASES, FamilyCase, store_images, token_ids
 
@@ -244,3 +246,161 @@ def _per_sample_loss(
         )
         per_sample.append(nll[on].mean())
     return torch.stack(per_sample).mean()
+
+
+def test_planning_reads_what_each_row_shares(forest_store):
+    """The planner's facts: each row's shared prefix with the row before it in its block,
+    in tokens and images; an image of the same size but other content ends it (the edited
+    turn 3), and a new block shares nothing."""
+    case, store, rows = forest_store
+    snapshot = mmstore.RolloutDataset(store, case.small(), shuffle=False).spec.snapshot
+    meta = read_row_meta(store, snapshot, prefixes=True)
+    assert meta.shared is not None
+    by_id = {row.sample_id: row for row in rows}
+    order = [row.sample_id for row in rows]
+    prompt = by_id["g0"].prompt_len  # the group's prompt, screenshot included
+    two_turns = len(by_id["t2"].tokens)
+    edited_at = by_id["e3"].images[2].offset  # where the other screenshot starts
+    whole = {sid: len(row.tokens) for sid, row in by_id.items()}  # a row the next continues
+    expected = {"g0": 0, "g1": prompt, "g2": prompt, "t1": 0, "t2": whole["t1"],
+                "t3": two_turns, "e3": edited_at, "e4": whole["e3"], "t4": edited_at,
+                "t5": whole["t4"]}  # fmt: skip
+    assert dict(zip(order, meta.shared.tolist(), strict=True)) == expected
+    assert edited_at >= two_turns
+
+
+def test_forest_options_are_checked(forest_store):
+    case, store, _ = forest_store
+    ds = mmstore.RolloutDataset(store, case.small(), dtype=torch.float32, shuffle=False)
+    with pytest.raises(mmstore.InvalidArgumentError, match="set max_tokens"):
+        mmstore.RolloutLoader(ds, batch_size=2, prefix_sharing=True)
+    with pytest.raises(mmstore.InvalidArgumentError, match="set max_tokens"):
+        mmstore.LiveLoader(store, case.small(), runs=["r"], batch_size=2, prefix_sharing=True)
+    forest = mmstore.RolloutLoader(ds, batch_size=len(ds), max_tokens=4096, prefix_sharing=True)
+    with pytest.raises(mmstore.InvalidArgumentError, match="model_inputs"):
+        forest.model_input_names  # noqa: B018 - the property refuses
+    batch = next(iter(forest))
+    with pytest.raises(mmstore.InvalidArgumentError, match="needs the model"):
+        forest.model_inputs(batch)
+    padded = mmstore.RolloutLoader(ds, batch_size=2)
+    with pytest.raises(mmstore.InvalidArgumentError, match="no prefix forest"):
+        mmstore.forest_attention_mask(next(iter(padded)), case.tiny_model(torch.float32, "eager"))
+
+
+@pytest.mark.slow
+def test_a_live_loader_trains_the_same_forest(forest_store):
+    """LiveLoader(prefix_sharing=True): a step's groups as forests; each sample's logits
+    equal its logits alone, and the step forwards fewer tokens than unshared."""
+    case, store, rows = forest_store
+    model = case.tiny_model(torch.float32, "sdpa")
+    alone_loader = _loaders(store, case, 4096)[2]
+    alone = {batch["sample_ids"][0]: batch for batch in alone_loader}
+    forwarded = {}
+    for sharing in (True, False):
+        live = mmstore.LiveLoader(
+            store, case.small(), runs=["r"], batch_size=len(rows), max_tokens=4096,
+            prefix_sharing=sharing, materialize=mmstore.Materialize(dtype="float32"),
+        )  # fmt: skip
+        with live, torch.no_grad():
+            batches = live.next_step(policy_version=0, timeout=30)
+            forwarded[sharing] = sum(b["input_ids"].shape[1] for b in batches)
+            for batch in batches:
+                index = batch["forest_index"]
+                logits = model(**live.model_inputs(batch, model)).logits[0, index]
+                cu = batch["cu_seqlens"].tolist()
+                for i, sample_id in enumerate(batch["sample_ids"]):
+                    if batch["is_filler"][i]:
+                        continue
+                    own = alone[sample_id]
+                    expected = model(**alone_loader.model_inputs(own)).logits[0]
+                    torch.testing.assert_close(
+                        logits[cu[i] : cu[i + 1]], expected, atol=1e-4, rtol=0
+                    )
+    assert forwarded[True] < forwarded[False] / 2
+
+
+# -- ranks, resume and groups too large to share (Qwen-VL) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """Three commits of the trajectories (10 rows each: a group, an agent)."""
+    case = CASES["qwen-vl"]
+    store = mmstore.Store.open(tmp_path_factory.mktemp("steps") / "store", create=True)
+    adapter = mmstore.adapter_for(case.small())
+    written = []
+    for step in range(3):
+        rows = [
+            row.model_copy(update={"sample_id": f"{row.sample_id}-{step}",
+                                   "group_id": f"{row.group_id}-{step}"})
+            for row in trajectories(case, store)
+        ]  # fmt: skip
+        with store.writer("r", step, adapter=adapter) as writer:
+            writer.write_many(rows)
+        written += rows
+    return case, store, written
+
+
+def _agent_cost(store, case) -> int:
+    """The tokens of one commit's agent tree after sharing (what the planner counts)."""
+    snapshot = mmstore.RolloutDataset(store, case.small(), shuffle=False).spec.snapshot
+    meta = read_row_meta(store, snapshot, prefixes=True)
+    assert meta.shared is not None
+    return int((meta.lengths[3:10] - meta.shared[3:10]).sum())
+
+
+def _forest_loader(store, case, *, rank, max_tokens):
+    ds = mmstore.RolloutDataset(
+        store, case.small(), dtype=torch.float32, shuffle=False, rank=rank, world_size=2
+    )
+    return mmstore.RolloutLoader(ds, batch_size=5, max_tokens=max_tokens, prefix_sharing=True)
+
+
+def _dummy_tokens(case: FamilyCase) -> int:
+    adapter = mmstore.adapter_for(case.small())
+    return adapter.num_tokens(*adapter.dummy_size)
+
+
+def _real_ids(batch: dict[str, Any]) -> list[str]:
+    fillers = batch["is_filler"].tolist()
+    return [sid for sid, filler in zip(batch["sample_ids"], fillers, strict=True) if not filler]
+
+
+def test_ranks_share_out_whole_trees_and_resume_at_any_micro_batch(three_steps):
+    """Two ranks, a budget that holds an agent tree only shared: equal micro-batch counts,
+    every sample once, each tree (a group) in one micro-batch within ``max_tokens``; a
+    loader restored after any micro-batch gives exactly the rest."""
+    case, store, rows = three_steps
+    max_tokens = _agent_cost(store, case) + _dummy_tokens(case)
+    shares = [list(_forest_loader(store, case, rank=r, max_tokens=max_tokens)) for r in (0, 1)]
+    counts = [[b["num_micro"] for b in share] for share in shares]
+    assert counts[0] == counts[1]
+    where = {sid: (rank, i) for rank, share in enumerate(shares)
+             for i, batch in enumerate(share) for sid in _real_ids(batch)}  # fmt: skip
+    assert sorted(where) == sorted(row.sample_id for row in rows)
+    assert all(b["input_ids"].shape[1] <= max_tokens for share in shares for b in share)
+    for group in {row.group_id for row in rows}:
+        assert len({where[row.sample_id] for row in rows if row.group_id == group}) == 1, group
+    for k in (1, 2, len(shares[0]) - 1):
+        first = _forest_loader(store, case, rank=0, max_tokens=max_tokens)
+        batches = iter(first)
+        for _ in range(k):
+            next(batches)
+        resumed = _forest_loader(store, case, rank=0, max_tokens=max_tokens)
+        resumed.load_state_dict(first.state_dict())
+        rest = list(resumed)
+        assert [b["sample_ids"] for b in rest] == [b["sample_ids"] for b in shares[0][k:]]
+        for got, want in zip(rest, shares[0][k:], strict=True):
+            assert torch.equal(got["input_ids"], want["input_ids"])
+            assert torch.equal(got["visible_until"], want["visible_until"])
+
+
+def test_a_tree_larger_than_max_tokens_is_packed_unshared_and_named(three_steps, caplog):
+    case, store, rows = three_steps
+    longest = max(len(row.tokens) for row in rows)
+    max_tokens = longest + _dummy_tokens(case)  # every sample fits, an agent tree does not
+    assert _agent_cost(store, case) > longest
+    with caplog.at_level(logging.DEBUG, logger="mmstore"):
+        share = list(_forest_loader(store, case, rank=0, max_tokens=max_tokens))
+    assert "packed unshared" in caplog.text and "'t1-0'" in caplog.text
+    assert all(b["input_ids"].shape[1] <= max_tokens for b in share)

@@ -688,14 +688,23 @@ class LiveLoader:
             return [MicroTask(self.step, 0, 1, False, tuple(located[i] for i in share))]
         self._refuse_too_long(rows, lengths)
         images = np.array([f.facts.images[r] > 0 for f, r in rows], dtype=bool)
-        plan = plan_epoch(
+        packing = plan_epoch(
             lengths,
             images,
             batch_size=self.batch_size,
             world_size=self.world_size,
             budget=self._budget,
             shared=_shared(rows) if self.prefix_sharing else None,
-        ).for_rank(self.rank)
+        )
+        if len(packing.unshared_trees):
+            followed, row = rows[int(packing.unshared_trees[0])]
+            log.debug(
+                "step %d: %d group(s) hold more than max_tokens after sharing and are packed "
+                "unshared, the first starting at sample %r (run %r, step %d)",
+                self.step, len(packing.unshared_trees), followed.sample_ids[row].as_py(),
+                followed.file.run_id, followed.file.step,
+            )  # fmt: skip
+        plan = packing.for_rank(self.rank)
         return [
             MicroTask(
                 self.step,

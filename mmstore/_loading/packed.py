@@ -13,6 +13,7 @@ device stage).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -31,6 +32,8 @@ from mmstore._rows.lengths import RowMeta, read_row_meta
 from mmstore._rows.snapshot import WorkUnit, read_units
 from mmstore._rows.store import Store
 from mmstore.errors import CorruptFileError, InvalidArgumentError, SampleTooLongError
+
+log = logging.getLogger("mmstore")
 
 # Row groups a worker keeps decoded: a step's rows come from a couple of shuffle windows.
 UNIT_CACHE = 16
@@ -101,8 +104,21 @@ class PackedPlanner:
                 budget=self.budget(),
                 shared=None if meta.shared is None else _shared_in_order(meta.shared, order),
             )
+            self._log_unshared(packing.unshared_trees, order)
             self._plans = {epoch: (packing.for_rank(spec.rank), order)}
         return self._plans[epoch]
+
+    def _log_unshared(self, heads: np.ndarray, order: np.ndarray) -> None:
+        """Name the groups too large to share a micro-batch (packed unshared instead)."""
+        if not len(heads) or not log.isEnabledFor(logging.DEBUG):
+            return
+        unit, index = self.locate(int(order[heads[0]]))
+        first = _read_rows(self.spec, unit, [index], ["sample_id"])[0]["sample_id"]
+        log.debug(
+            "prefix sharing: %d group(s) hold more than max_tokens after sharing and are "
+            "packed unshared, the first starting at sample %r (run %r, step %d)",
+            len(heads), first, unit.run_id, unit.step,
+        )  # fmt: skip
 
     def _refuse_too_long(self, meta: RowMeta) -> None:
         budget = self.budget()

@@ -37,7 +37,7 @@ Definitions (the packed loader's contract):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -220,7 +220,9 @@ class PackPlan:
     step_of: np.ndarray  # [N]
     num_micro: np.ndarray  # [S]
     image_micros: np.ndarray  # [S, W] micro-batches with images on each rank (they come first)
-    rank_tokens: np.ndarray  # [S, W] real tokens per rank per step
+    rank_tokens: np.ndarray  # [S, W] real tokens per rank per step (after sharing)
+    #: prefix sharing: the first position of each tree too large to share (packed unshared)
+    unshared_trees: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def for_rank(self, rank: int) -> RankPlan:
         mine = np.flatnonzero(self.rank_of == rank)
@@ -260,9 +262,9 @@ def plan_epoch(
     n = len(lengths)
     per_step = batch_size * world_size
     steps = -(-n // per_step)
-    cost, head = lengths, np.arange(n)
+    cost, head, unshared = lengths, np.arange(n), np.zeros(0, np.int64)
     if shared is not None:
-        cost, head = _trees(lengths, np.asarray(shared, dtype=np.int64), per_step, budget)
+        cost, head, unshared = _trees(lengths, np.asarray(shared, np.int64), per_step, budget)
     grid = np.zeros((steps, per_step), dtype=np.int64)
     grid.flat[:n] = np.bincount(head, weights=cost, minlength=n).astype(np.int64)
     bins, num_micro = pack_steps(grid, budget, world_size)
@@ -285,15 +287,17 @@ def plan_epoch(
         num_micro,
         image_micros,
         rank_tokens,
+        unshared,
     )
 
 
 def _trees(
     lengths: np.ndarray, shared: np.ndarray, per_step: int, budget: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(cost, head) of each position: its tokens after sharing with the one before it, and
     the first position of its tree (trees cut at step boundaries; a tree whose cost exceeds
-    ``budget`` is undone: each of its positions costs its length and heads itself)."""
+    ``budget`` is undone: each of its positions costs its length and heads itself); and the
+    first position of each tree undone."""
     n = len(lengths)
     starts = (shared <= 0) | (np.arange(n) % per_step == 0)
     tree = np.cumsum(starts) - 1
@@ -301,7 +305,8 @@ def _trees(
     cost = np.where(starts, lengths, lengths - np.minimum(shared, lengths))
     too_big = np.bincount(tree, weights=cost)[tree] > budget
     head = np.where(too_big, np.arange(n), first[tree])
-    return np.where(too_big, lengths, cost), head
+    undone = np.flatnonzero(too_big & starts)  # (a sample alone always fits)
+    return np.where(too_big, lengths, cost), head, undone
 
 
 def _order_micros(
