@@ -32,8 +32,14 @@ no image cache is shared between contenders) over one epoch:
    the median of the ratio within each repetition (higher = mmstore better; goal >= 1: no
    slower per sample).
 
-Storage of trees (one copy of each shared segment) and the GPU step time (issue 41 (a),
-(e)) are not measured here: rows are stored whole today (see ``docs/training.md``).
+4. **Storage** of the rows as written (whole: one sample per turn, each with its history):
+   ``rows_bytes_over_distinct_tokens`` = the Parquet files' bytes (zstd; tokens, masks and
+   refs) / 4 bytes per distinct token of the data set; ``store_over_distinct`` adds the
+   screenshots (content-addressed: each once) to both (issue 41's goal for trees: <= 1.1;
+   lower = better); for the agents, ``rows_over_last_turn_rows`` = those bytes / the bytes
+   of a store holding each trajectory once (its last turn), same encoding: what storing
+   continuations (``Rollout(parent_id=, prefix_len=)``) whole costs against segments
+   stored once. The GPU step (issue 41 (e)) needs a lent GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -142,6 +149,9 @@ def write(root: str, kind: str, steps: int, per_step: int) -> tuple[mmstore.Stor
     store = mmstore.Store.open(root, create=True)
     adapter = mmstore.adapter_for(processor())
     ideal = {"tokens": 0, "images": 0, "samples": 0}
+    # The agents' trajectories once each (their last turns only): what the rows hold that
+    # the per-turn rows repeat, in the same encoding.
+    last_turns = mmstore.Store.open(f"{root}-last", create=True) if kind != "grpo" else None
     for step in range(steps):
         if kind == "grpo":
             rows = grpo_step(store, adapter, per_step, seed=step)
@@ -150,11 +160,27 @@ def write(root: str, kind: str, steps: int, per_step: int) -> tuple[mmstore.Stor
             rows = agent_step(store, adapter, per_step, seed=step, window=window)
         with store.writer(run_id=kind, step=step, adapter=adapter) as writer:
             writer.write_many(rows)
+        if last_turns is not None:  # the same screenshots, in its media
+            shutil.copytree(f"{root}/media", f"{root}-last/media", dirs_exist_ok=True)
+            with last_turns.writer(run_id=kind, step=step, adapter=adapter) as writer:
+                writer.write_many([r for r in rows if r.sample_id.endswith(f"-t{TURNS - 1}")])
         ideal["tokens"] += distinct_tokens(rows)
         ideal["images"] += len({ref.hash for row in rows for ref in row.images})
         ideal["samples"] += len(rows)
     ideal["per_step"] = ideal["samples"] // steps
+    ideal["rows_bytes"] = _bytes(os.path.join(root, "rollouts"), skip="_delta_log")
+    ideal["media_bytes"] = _bytes(os.path.join(root, "media"))
+    if last_turns is not None:
+        ideal["last_turn_rows_bytes"] = _bytes(f"{root}-last/rollouts", skip="_delta_log")
     return store, ideal
+
+
+def _bytes(folder: str, skip: str = "") -> int:
+    total = 0
+    for parent, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != skip]
+        total += sum(os.path.getsize(os.path.join(parent, f)) for f in files)
+    return total
 
 
 def one_pass(store: mmstore.Store, kind: str, batch_size: int, sharing: bool) -> dict[str, Any]:
@@ -211,6 +237,14 @@ def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
                 "flat_over_forest_tokens": flat["tokens"] / forest["tokens"],
                 "forest_images_over_distinct": forest["images"] / ideal["images"],
                 "flat_images_over_distinct": flat["images"] / ideal["images"],
+                # Stored one sample per turn (whole rows): the Parquet rows over the distinct
+                # tokens as int32, and the store over those plus the distinct screenshots.
+                "rows_bytes_over_distinct_tokens": ideal["rows_bytes"] / (4 * ideal["tokens"]),
+                "store_over_distinct": (ideal["rows_bytes"] + ideal["media_bytes"])
+                / (4 * ideal["tokens"] + ideal["media_bytes"]),
+                "rows_over_last_turn_rows": ideal["rows_bytes"] / ideal["last_turn_rows_bytes"]
+                if "last_turn_rows_bytes" in ideal
+                else None,
                 "samples_per_s": timed,
                 "forest_over_flat_samples_per_s": paired_ratio(timed, "forest", "flat"),
             }
@@ -229,8 +263,9 @@ HEADLINE = [
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| data | tokens: forest / ideal | flat / ideal | flat / forest | images: forest / "
-        "distinct | flat / distinct | samples/s forest / flat (median, min-max) |",
-        "|---|---|---|---|---|---|---|",
+        "distinct | flat / distinct | samples/s forest / flat (median, min-max) | rows bytes / "
+        "distinct tokens x 4 B | store / distinct | rows / last turns' rows |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in ("grpo", "agent", "agent-window"):
         r = result[kind]
@@ -239,7 +274,14 @@ def table(result: dict[str, Any]) -> str:
             f"| {kind} | {r['forest_tokens_over_ideal']:.3f} | {r['flat_tokens_over_ideal']:.2f} "
             f"| {r['flat_over_forest_tokens']:.2f} | {r['forest_images_over_distinct']:.3f} | "
             f"{r['flat_images_over_distinct']:.2f} | {speed['median']:.2f} "
-            f"({speed['min']:.2f}-{speed['max']:.2f}) |"
+            f"({speed['min']:.2f}-{speed['max']:.2f}) | "
+            f"{r['rows_bytes_over_distinct_tokens']:.2f} | {r['store_over_distinct']:.2f} | "
+            + (
+                "-"
+                if r["rows_over_last_turn_rows"] is None
+                else f"{r['rows_over_last_turn_rows']:.2f}"
+            )
+            + " |"
         )
     return "\n".join(lines)
 

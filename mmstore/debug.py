@@ -7,6 +7,14 @@ many samples and images, how well images dedup, bytes on disk against the bytes 
 ``pixel_values`` would take, rewards, and media that has gone missing (video clips count in
 the bytes and the missing media; their refs are ``videos``' rows).
 
+**Lazy or eager, by one rule** (polars' own: ``pl.scan_*`` is lazy, ``pl.read_*`` eager):
+a frame that only reads rows is a ``LazyFrame`` (``scan``, ``images``, ``videos``: your
+filters and projections reach the Parquet reader); an answer whose work is checking the
+store itself is a ``DataFrame``, computed when called (``missing_media`` and
+``missing_videos`` stat every media file, ``summary`` reads footers and stats media): a lazy
+frame would only hide when those requests happen. ``.lazy()`` joins either kind with
+the others.
+
 ``sample_view`` renders one sample as a PIL image (thumbnails of its images with their spans,
 a strip of the sampled frames of each video, and a strip of its tokens marking image and
 video spans, prompt vs completion and the loss mask); PIL images display inline in notebooks.

@@ -254,6 +254,12 @@ class Rollout(BaseModel):
     # name: per token an array-like of one value per token, per sample a value. Checked
     # and converted by the writer, which knows the declaration.
     columns: dict[str, Any] = Field(default_factory=dict)
+    # A continuation: the sample is the first ``prefix_len`` tokens of sample ``parent_id``
+    # (same run; written before it, in this commit or an earlier one) followed by what this
+    # row holds (its tokens, masks, refs and per-token values are its own part). The writer
+    # stores the whole sample; rows read back are whole, with neither set.
+    parent_id: str | None = Field(default=None, min_length=1)
+    prefix_len: int | None = Field(default=None, ge=0, le=INT32_MAX)
     _arrays: _Arrays = PrivateAttr(default_factory=_Arrays)
     _declared: dict[str, Column] = PrivateAttr(default_factory=dict)
 
@@ -344,6 +350,14 @@ class Rollout(BaseModel):
     @classmethod
     def _float32_scalar(cls, value: float | None) -> float | None:
         return None if value is None else _as_float32(value)
+
+    @model_validator(mode="after")
+    def _continuation_pair(self) -> Rollout:
+        if (self.parent_id is None) != (self.prefix_len is None):
+            raise ValueError("a continuation gives both parent_id and prefix_len, or neither")
+        if self.parent_id == self.sample_id:
+            raise ValueError(f"sample {self.sample_id!r} cannot continue itself")
+        return self
 
     @model_validator(mode="after")
     def _per_token_arrays(self) -> Rollout:
@@ -438,6 +452,12 @@ def same_column_values(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 def rollouts_to_table(rollouts: Iterable[Rollout]) -> pa.Table:
     """Rollouts as an Arrow table of the v1 schema."""
+    for r in rollouts:
+        if r.parent_id is not None:
+            raise InvalidRolloutError(
+                "a continuation becomes a row when a writer builds it whole (store.writer)",
+                sample_id=r.sample_id,
+            )
     rows = [{**r.model_dump(), "videos": [v.model_dump_row() for v in r.videos]} for r in rollouts]
     return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
 

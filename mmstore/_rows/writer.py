@@ -54,7 +54,9 @@ from mmstore._format.models import (
 )
 from mmstore._format.paths import check_partition, check_producer, part_path
 from mmstore._format.schema import ROLLOUT_SCHEMA, file_metadata
+from mmstore._rows.continuation import Row, whole
 from mmstore._rows.invariants import check_rollout
+from mmstore._rows.readback import read_rollouts
 from mmstore._rows.runs import (
     column_mismatch,
     record_columns,
@@ -65,7 +67,7 @@ from mmstore._rows.runs import (
 from mmstore._rows.table import CommitResult, TableFile
 from mmstore._rows.versions import commit_files, table_of
 from mmstore._storage.store import Storage
-from mmstore.errors import InvalidArgumentError, InvalidRolloutError
+from mmstore.errors import InvalidArgumentError, InvalidRolloutError, NoMatchError
 
 log = logging.getLogger("mmstore")
 
@@ -282,6 +284,8 @@ class RolloutWriter:
         self._layouts: dict[str, Layout] = {}
         self._run_layouts: list[Layout] | None = None
         self._sample_ids: set[str] = set()
+        # This writer's rows, and the committed parents read, as continuations' parents.
+        self._rows: dict[str, Row] = {}
         self._known_media: set[tuple[str, str]] = set()
         self._unsynced: set[str] = set()  # URIs the uncommitted rows reference
         self._pending: list[dict[str, Any]] = []
@@ -336,6 +340,11 @@ class RolloutWriter:
         where = {"run_id": self.run_id, "step": self.step, "sample_id": rollout.sample_id}
         if rollout.sample_id in self._sample_ids:
             raise InvalidRolloutError("duplicate sample_id in this writer", **where)
+        if rollout.parent_id is not None:
+            try:
+                rollout = whole(rollout, self._parent(rollout.parent_id), self.columns)
+            except InvalidRolloutError as exc:
+                raise exc.with_context(**where) from None
         used: dict[str, Layout] = {}
 
         def lookup(fingerprint: str) -> Layout | None:
@@ -364,11 +373,26 @@ class RolloutWriter:
         self._sample_ids.add(rollout.sample_id)
         self._unsynced.update(ref.uri for _, _, ref in media)
         self._pending.append({**_buffered(rollout), **values})
+        self._rows[rollout.sample_id] = self._pending[-1]  # a parent for later rows
         released(rollout)  # the buffer holds the arrays now; the caller's row need not
         self._num_tokens.append(len(rollout.tokens))
         self._file_rows += 1
         if len(self._pending) >= self.row_group_size:
             self._flush_row_group()
+
+    def _parent(self, parent_id: str) -> Row:
+        """Sample ``parent_id`` of this run as a row: written by this writer, else committed
+        (found by reading the run's files, once per parent and writer)."""
+        if parent_id not in self._rows:
+            try:
+                (found,) = read_rollouts(self.store, self.run_id, sample_ids=parent_id)
+            except NoMatchError:
+                raise InvalidRolloutError(
+                    f"parent {parent_id!r} is not in run {self.run_id!r}: neither written by "
+                    "this writer before the continuation nor committed"
+                ) from None
+            self._rows[parent_id] = {**_buffered(found), **found.columns}
+        return self._rows[parent_id]
 
     def _column_values(self, rollout: Rollout) -> dict[str, Any]:
         """The row's values of the run's columns, as stored: exactly the declared names,
