@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from mmstore import chat, debug, errors, synth, wire
+from mmstore import errors
 from mmstore._families import Family, Layout, Token, adapter_for, known_families, register_family
 from mmstore._families.qwen_vl import QwenVL
 from mmstore._format.columns import Column, per_sample, per_token
@@ -62,6 +62,7 @@ from mmstore.errors import (
 QwenVLAdapter = QwenVL
 
 if TYPE_CHECKING:
+    from mmstore import chat, debug, synth, wire
     from mmstore._loading.dataset import RolloutDataset, RolloutLoader
     from mmstore._loading.distinct import expand_images
     from mmstore._loading.forest import forest_attention_mask
@@ -80,12 +81,18 @@ _TORCH_NAMES = {
     "LiveLoader": "._loading.live",
     "Materialize": "._loading.settings",
 }
+# Submodules imported on first use too: `debug` brings polars, `chat` jinja2, `synth` and
+# `wire` their own stacks, and neither a writer nor the CLI's read-only commands need them
+# all (`mmstore stats` answers in under a second on a small store).
+_SUBMODULES = {"chat", "debug", "synth", "wire"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        import importlib
+    import importlib
 
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _TORCH_NAMES:
         value = getattr(importlib.import_module(_TORCH_NAMES[name], __name__), name)
         globals()[name] = value
         return value

@@ -22,6 +22,7 @@ video spans, prompt vs completion and the loss mask); PIL images display inline 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
@@ -103,7 +105,6 @@ VIDEO_COLUMNS = [
     "layout_fingerprint",
 ]
 SUMMARY_KEYS = ("run_id", "step")
-_ROW_SCHEMA = pl.Schema(pl.from_arrow(ROLLOUT_SCHEMA.empty_table()).schema)  # type: ignore[union-attr]
 FP32_BYTES = 4
 
 
@@ -613,13 +614,21 @@ def _legend(font: ImageFont.FreeTypeFont | ImageFont.ImageFont) -> Image.Image:
 # -- helpers -----------------------------------------------------------------------------
 
 
+@functools.cache
+def _row_schema() -> pl.Schema:
+    # From batches, not Schema.empty_table(): that imports pandas (0.2 s), which the CLI's
+    # stats never needs otherwise.
+    empty = pa.Table.from_batches([], schema=ROLLOUT_SCHEMA)
+    return pl.Schema(pl.from_arrow(empty).schema)  # type: ignore[union-attr]
+
+
 def _scan_files(store: Store, files: Sequence[TableFile]) -> pl.LazyFrame:
     if not files:
-        return pl.LazyFrame(schema={**PARTITIONS, **_ROW_SCHEMA})
+        return pl.LazyFrame(schema={**PARTITIONS, **_row_schema()})
     frame = pl.scan_parquet(
         [_source(store, f.path) for f in files],
         # The schema is known: no file is opened to infer it, so pruned files stay unread.
-        schema=_ROW_SCHEMA,
+        schema=_row_schema(),
         hive_partitioning=True,
         hive_schema=PARTITIONS,
         storage_options=storage_options(store),
