@@ -37,11 +37,21 @@ from mmstore._rows.invariants import truncation_point
 from mmstore._rows.snapshot import read_units
 from mmstore.synth import grpo_rollouts
 
+# Headline rows for benchmarks/run.py: (label, path in the result, start-up: "in",
+# "excluded" or "n/a", as run.py defines them).
 HEADLINE = [
-    ("loader with checks / without, screenshots", "screenshots.checked_over_unchecked"),
-    ("loader with checks / without, text-only rows", "text.checked_over_unchecked"),
-    ("row checks' CPU share of a sample, screenshots (%)", "screenshots.check_share_percent"),
-    ("row checks' CPU share of a sample, text-only rows (%)", "text.check_share_percent"),
+    ("loader with checks / without, screenshots", "screenshots.checked_over_unchecked", "in"),
+    ("loader with checks / without, text-only rows", "text.checked_over_unchecked", "in"),
+    (
+        "row checks' CPU share of a sample, screenshots (%)",
+        "screenshots.check_share_percent",
+        "excluded",
+    ),
+    (
+        "row checks' CPU share of a sample, text-only rows (%)",
+        "text.check_share_percent",
+        "excluded",
+    ),
 ]
 BATCH = 8
 

@@ -11,37 +11,69 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import importlib
 import inspect
 import json
+import operator
 import os
 import platform
+import re
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-# name -> (module, the headline ratios to tabulate: (label, path in the result, higher is))
-SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+# Start-up: whether a figure's timed span includes the one-time start of reading (opening
+# the store, building the dataset or loader, starting its workers or Ray actors): "in" for
+# a fresh loader's pass (what a trainer pays once per loader), "excluded" when timed once
+# it runs (later passes of persistent workers, a live loader's later steps, bytes read
+# while iterating), "n/a" for sizes, counts and one-off operations (commits, gc, scans of
+# metadata are whole operations). Declared beside each row, from the benchmark's code.
+IN, EXCLUDED, NA = "in", "excluded", "n/a"
+STARTUPS = (IN, EXCLUDED, NA)
+
+# A headline row: (label, path in the result, how to read it, start-up).
+Row = tuple[str, str, str, str]
+
+# name -> (module, its headline rows; empty: the module's own ``HEADLINE`` of (label, path,
+# start-up)). A benchmark run on its own saves its result as results/<date>-<name>[-<n>].json.
+SUITE: dict[str, tuple[str, list[Row]]] = {
+    # A fresh RolloutLoader each pass (its workers started in the pass; the dataset built once).
     "loader": (
         "benchmarks.bench_loader",
         [
-            ("loader / physical limit, screenshots", "screenshots.mmstore_over_limit", "better"),
-            ("loader / naive Dataset, screenshots", "screenshots.mmstore_over_naive", "better"),
-            ("loader / HF datasets, screenshots", "screenshots.mmstore_over_hf_datasets", "better"),
+            (
+                "loader / physical limit, screenshots",
+                "screenshots.mmstore_over_limit",
+                "better",
+                IN,
+            ),
+            ("loader / naive Dataset, screenshots", "screenshots.mmstore_over_naive", "better", IN),
+            (
+                "loader / HF datasets, screenshots",
+                "screenshots.mmstore_over_hf_datasets",
+                "better",
+                IN,
+            ),
             (
                 "loader / physical limit, distinct screenshots",
                 "screenshots_distinct.mmstore_over_limit",
                 "better",
+                IN,
             ),
             (
                 "loader / naive Dataset, distinct screenshots",
                 "screenshots_distinct.mmstore_over_naive",
                 "better",
+                IN,
             ),
-            ("loader / physical limit, photos", "photos.mmstore_over_limit", "better"),
-            ("loader / naive Dataset, photos", "photos.mmstore_over_naive", "better"),
-            ("loader / HF datasets, photos", "photos.mmstore_over_hf_datasets", "better"),
-            ("peak batch memory bf16 / fp32", "bf16_over_fp32_memory", "lower"),
+            ("loader / physical limit, photos", "photos.mmstore_over_limit", "better", IN),
+            ("loader / naive Dataset, photos", "photos.mmstore_over_naive", "better", IN),
+            ("loader / HF datasets, photos", "photos.mmstore_over_hf_datasets", "better", IN),
+            ("peak batch memory bf16 / fp32", "bf16_over_fp32_memory", "lower", NA),
         ],
     ),
     "write": ("benchmarks.bench_write", []),
@@ -52,23 +84,26 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
                 "dense fp32 bytes / mmstore bytes, screenshots",
                 "screenshots.dense_over_mmstore",
                 "better",
+                NA,
             ),
             (
                 "inline bytes / mmstore bytes, screenshots",
                 "screenshots.inline_over_mmstore",
                 "better",
+                NA,
             ),
-            ("dense fp32 bytes / mmstore bytes, photos", "photos.dense_over_mmstore", "better"),
-            ("inline bytes / mmstore bytes, photos", "photos.inline_over_mmstore", "better"),
+            ("dense fp32 bytes / mmstore bytes, photos", "photos.dense_over_mmstore", "better", NA),
+            ("inline bytes / mmstore bytes, photos", "photos.inline_over_mmstore", "better", NA),
         ],
     ),
+    # Time to the first batch of a new loader: start-up is what is measured.
     "resume": (
         "benchmarks.bench_resume",
         [
-            ("replay / seek at 10%", "10%.replay_over_seek", "better"),
-            ("replay / seek at 50%", "50%.replay_over_seek", "better"),
-            ("replay / seek at 90%", "90%.replay_over_seek", "better"),
-            ("seek time 90% / 10% (flat = 1)", "seek_90_over_10", "flat"),
+            ("replay / seek at 10%", "10%.replay_over_seek", "better", IN),
+            ("replay / seek at 50%", "50%.replay_over_seek", "better", IN),
+            ("replay / seek at 90%", "90%.replay_over_seek", "better", IN),
+            ("seek time 90% / 10% (flat = 1)", "seek_90_over_10", "flat", IN),
         ],
     ),
     "lifecycle": ("benchmarks.bench_lifecycle", []),
@@ -76,11 +111,12 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "s3": (
         "benchmarks.bench_s3",
         [
-            ("S3 loader 30 ms / 0 ms latency, prefetch", "prefetch_30_over_0", "better"),
-            ("S3 loader 30 ms / 0 ms latency, serial reads", "serial_30_over_0", "better"),
-            ("S3 loader prefetch / serial at 30 ms", "prefetch_over_serial_at_30", "better"),
+            ("S3 loader 30 ms / 0 ms latency, prefetch", "prefetch_30_over_0", "better", IN),
+            ("S3 loader 30 ms / 0 ms latency, serial reads", "serial_30_over_0", "better", IN),
+            ("S3 loader prefetch / serial at 30 ms", "prefetch_over_serial_at_30", "better", IN),
         ],
     ),
+    # Each Ray pass starts its actor pool, each loader pass its workers.
     "ray": (
         "benchmarks.bench_ray",
         [
@@ -88,26 +124,28 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
                 "Ray iter_batches / RolloutLoader, 2 processes",
                 "iter_batches_over_loader",
                 "higher = Ray faster",
+                IN,
             ),
             (
                 "Ray read_rollouts / RolloutLoader, 2 processes",
                 "read_rollouts_over_loader",
                 "higher = Ray faster",
+                IN,
             ),
         ],
     ),
     "pack": (
         "benchmarks.bench_pack",
         [
-            ("packing efficiency mmstore / padded", "mmstore_over_padded", "better"),
-            ("packing efficiency mmstore / greedy", "mmstore_over_greedy", "better"),
-            ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better"),
+            ("packing efficiency mmstore / padded", "mmstore_over_padded", "better", NA),
+            ("packing efficiency mmstore / greedy", "mmstore_over_greedy", "better", NA),
+            ("max/mean rank load, greedy / mmstore", "greedy_over_mmstore_load", "better", NA),
         ],
     ),
     "scan": (
         "benchmarks.bench_scan",
         [
-            ("polars scan / pyarrow dataset rows/s", "polars_over_pyarrow", "better"),
+            ("polars scan / pyarrow dataset rows/s", "polars_over_pyarrow", "better", IN),
         ],
     ),
     # The rollouts Delta table (format v2) against format v1's rename and listing; the S3
@@ -115,79 +153,113 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "table": (
         "benchmarks.bench_table",
         [
-            ("whole writer commit: v1 (rename) / v2 (rename + log)", "writer_v1_over_v2", "better"),
-            ("commit: rename-only / Delta log commit", "rename_over_log", "better"),
-            ("Delta commit: small / 10k-file table (at scale 1)", "log_small_over_large", "flat"),
-            ("commit: 10 / 10k committed files", "commit_10_over_10k_files", "flat"),
-            ("dataset build: 10 / 10k committed files", "build_10_over_10k_files", "flat"),
+            (
+                "whole writer commit: v1 (rename) / v2 (rename + log)",
+                "writer_v1_over_v2",
+                "better",
+                NA,
+            ),
+            ("commit: rename-only / Delta log commit", "rename_over_log", "better", NA),
+            (
+                "Delta commit: small / 10k-file table (at scale 1)",
+                "log_small_over_large",
+                "flat",
+                NA,
+            ),
+            ("commit: 10 / 10k committed files", "commit_10_over_10k_files", "flat", NA),
+            ("dataset build: 10 / 10k committed files", "build_10_over_10k_files", "flat", NA),
             (
                 "snapshot: listing / Delta open (checkpoint + 19 entries)",
                 "listing_over_delta_latest",
                 "better",
+                NA,
             ),
             (
                 "snapshot: listing / Delta open (checkpoint alone)",
                 "listing_over_delta_checkpoint",
                 "better",
+                NA,
             ),
-            ("S3 commit: rename-only / Delta log commit", "s3_rename_over_log", "better"),
+            ("S3 commit: rename-only / Delta log commit", "s3_rename_over_log", "better", NA),
             (
                 "S3 snapshot: listing / Delta open (checkpoint + 19)",
                 "s3_listing_over_delta_latest",
                 "better",
+                NA,
             ),
-            ("S3 30 ms commit: rename-only / Delta commit", "s3_30ms_rename_over_log", "better"),
+            (
+                "S3 30 ms commit: rename-only / Delta commit",
+                "s3_30ms_rename_over_log",
+                "better",
+                NA,
+            ),
             (
                 "S3 30 ms snapshot: listing / Delta open (checkpoint + 19)",
                 "s3_30ms_listing_over_delta_latest",
                 "better",
+                NA,
             ),
         ],
     ),
     # Video rollouts (Qwen2-VL, 10 s screen recordings sampled at 2 fps): the loader against
-    # decoding + processing each distinct clip once and a Dataset decoding whole clips.
+    # decoding + processing each distinct clip once and a Dataset decoding whole clips. A
+    # fresh dataset and loader each pass.
     "video": (
         "benchmarks.bench_video",
         [
-            ("video loader / decode+process limit, GRPO-4", "grpo.mmstore_over_limit", "better"),
+            (
+                "video loader / decode+process limit, GRPO-4",
+                "grpo.mmstore_over_limit",
+                "better",
+                IN,
+            ),
             (
                 "video loader / naive whole-clip Dataset, GRPO-4",
                 "grpo.mmstore_over_naive",
                 "better",
+                IN,
             ),
             (
                 "video loader / decode+process limit, distinct clips",
                 "distinct.mmstore_over_limit",
                 "better",
+                IN,
             ),
             (
                 "video loader / naive whole-clip Dataset, distinct clips",
                 "distinct.mmstore_over_naive",
                 "better",
+                IN,
             ),
             (
                 "dense fp32 pixel_values_videos / mmstore bytes, GRPO-4",
                 "grpo.dense_fp32_over_mmstore",
                 "better",
+                NA,
             ),
             (
                 "dense bf16 pixel_values_videos / mmstore bytes, GRPO-4",
                 "grpo.dense_bf16_over_mmstore",
                 "better",
+                NA,
             ),
             (
                 "dense fp32 pixel_values_videos / mmstore bytes, distinct clips",
                 "distinct.dense_fp32_over_mmstore",
                 "better",
+                NA,
             ),
             (
                 "dense bf16 pixel_values_videos / mmstore bytes, distinct clips",
                 "distinct.dense_bf16_over_mmstore",
                 "better",
+                NA,
             ),
         ],
     ),
-    # The live loader (asynchronous RL) against a RolloutLoader built per step.
+    # The live loader (asynchronous RL) against a RolloutLoader built per step. Start-up
+    # excluded: the LiveLoader's steps are timed after its warm-up steps (a per-step loader
+    # builds a loader every step by design: that is its cost, not a start-up left in).
     "live": (
         "benchmarks.bench_live",
         [
@@ -198,21 +270,146 @@ SUITE: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
                     f"live step start p50 ({backend}): per-step loader / LiveLoader",
                     f"{backend}.per_step_over_live_p50",
                     "better",
+                    EXCLUDED,
                 ),
                 (
                     f"live step start p99 ({backend}): per-step loader / LiveLoader",
                     f"{backend}.per_step_over_live_p99",
                     "better",
+                    EXCLUDED,
                 ),
                 (
                     f"live step start p50 ({backend}) / decode+process floor",
                     f"{backend}.live_p50_over_floor",
                     "lower",
+                    EXCLUDED,
                 ),
             )
         ],
     ),
+    # Issue 14's and 43's image figures: every loader figure one fresh loader's pass
+    # (start-up in), but persistent workers' later passes (start-up excluded).
+    "speed": (
+        "benchmarks.bench_speed",
+        [
+            ("loader tv / limit tv, distinct", "distinct.torchvision_over_limit", "better", IN),
+            (
+                "loader tv / limit tv with TorchCodec decode, bf16 cast inside",
+                "distinct.torchvision_over_cast_inside_limit",
+                "better",
+                IN,
+            ),
+            (
+                "persistent workers, first pass / limit tv",
+                "distinct.persistent_first_over_limit",
+                "better",
+                IN,
+            ),
+            (
+                "persistent workers, later passes (cache off) / limit tv",
+                "distinct.persistent_later_over_limit",
+                "better",
+                EXCLUDED,
+            ),
+            ("loader tv / naive PIL Dataset", "distinct.torchvision_over_naive_pil", "better", IN),
+            (
+                "loader tv / naive tv Dataset",
+                "distinct.torchvision_over_naive_torchvision",
+                "better",
+                IN,
+            ),
+            ("GRPO-8 2x2 loader / limit", "grpo8.over_limit", "better", IN),
+            (
+                "GRPO-8 2x2 loader, each image once / limit",
+                "grpo8.distinct_over_limit",
+                "better",
+                IN,
+            ),
+            ("plain+fsync write time / mmstore", "write.plain_fsync_over_mmstore", "better", IN),
+        ],
+    ),
+    "forest": ("benchmarks.bench_forest", []),
+    "columns": ("benchmarks.bench_columns", []),
 }
+
+
+class Goal(NamedTuple):
+    issue: int
+    label: str
+    path: str | None  # "<benchmark>.<path in its result>"; None: no benchmark measures it
+    op: str  # ">=" or "<="
+    threshold: float
+    startup: str  # of the figure: IN, EXCLUDED or NA
+
+
+OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le}
+
+# Every goal the issues set, whether or not a benchmark measures it yet: (issue, goal, figure
+# as "<benchmark>.<path in its result>" or None, comparator, threshold, the figure's start-up).
+# fmt: off
+GOALS: list[Goal] = [
+    # Issue 43. The video goal is for the steady state, but the figure is one fresh loader's
+    # pass (start-up in): a "yes" shows the goal holds, a "NO" does not show that it fails.
+    Goal(43, "video loader / decode+process limit, distinct clips (steady state)",
+         "video.distinct.mmstore_over_limit", ">=", 0.9, IN),
+    Goal(43, "video loader / decode+process limit, GRPO-4 with distinct_images",
+         None, ">=", 0.9, NA),
+    Goal(43, "RolloutLoader persistent workers, later passes / limit tv (at scale 0.25)",
+         "speed.distinct.persistent_later_over_limit", ">=", 0.8, EXCLUDED),
+    *(
+        goal
+        for backend, name in (("pil", "PIL"), ("torchvision", "torchvision"))
+        for goal in (
+            Goal(43, f"live step start p50, {name} (ms)",
+                 f"live.{backend}.latency_ms.live.p50", "<=", 100, EXCLUDED),
+            Goal(43, f"live step start p99, {name} (ms)",
+                 f"live.{backend}.latency_ms.live.p99", "<=", 250, EXCLUDED),
+            Goal(43, f"live step start p50, {name}: per-step loader / LiveLoader",
+                 f"live.{backend}.per_step_over_live_p50", ">=", 2.5, EXCLUDED),
+        )
+    ),
+    Goal(43, "live video step start p50 / decode+process one clip", None, "<=", 1.5, NA),
+    Goal(43, "GRPO-8 2x2 loader, plain batches / limit",
+         "speed.grpo8.over_limit", ">=", 6, IN),
+    Goal(43, "unshared loader tv / strict limit (TorchCodec decode, bf16 cast inside)",
+         "speed.distinct.torchvision_over_cast_inside_limit", ">=", 0.9, IN),
+    # Issue 41: prefix forests (tokens, images and bytes are counts: no start-up in them).
+    *(
+        goal
+        for kind, name in (("grpo", "GRPO-8"), ("agent", "10-turn agent"))
+        for goal in (
+            Goal(41, f"forest tokens / ideal, {name}",
+                 f"forest.{kind}.forest_tokens_over_ideal", "<=", 1.05, NA),
+            Goal(41, f"vision-tower images forest / distinct, {name}",
+                 f"forest.{kind}.forest_images_over_distinct", "<=", 1.02, NA),
+            Goal(41, f"forest / unshared samples/s, {name}",
+                 f"forest.{kind}.forest_over_flat_samples_per_s.median", ">=", 1, IN),
+        )
+    ),
+    Goal(41, "storage, 10-turn agent: store / distinct tokens x 4 B + screenshots",
+         "forest.agent.store_over_distinct", "<=", 1.1, NA),
+    Goal(41, "storage, 10-turn agent: per-turn rows / each trajectory once",
+         "forest.agent.rows_over_last_turn_rows", "<=", 1.1, NA),
+    # Issue 40: extra columns (bytes per batch read while iterating: start-up excluded).
+    Goal(40, "bytes read per batch, columns unasked / none stored",
+         "columns.unasked_over_plain", "<=", 1.02, EXCLUDED),
+    Goal(40, "top-32 ids + logprobs on disk / raw",
+         "columns.topk_disk_over_raw", "<=", 1.3, NA),
+    Goal(40, "routed experts 60x8 int16 on disk / raw",
+         "columns.experts_disk_over_raw", "<=", 1.3, NA),
+    # Issue 14 (bench_speed's own table names them).
+    Goal(14, "loader tv / limit tv, distinct",
+         "speed.distinct.torchvision_over_limit", ">=", 0.9, IN),
+    Goal(14, "loader tv / naive PIL Dataset",
+         "speed.distinct.torchvision_over_naive_pil", ">=", 1.5, IN),
+    Goal(14, "loader tv / naive tv Dataset",
+         "speed.distinct.torchvision_over_naive_torchvision", ">=", 1.2, IN),
+    Goal(14, "GRPO-8 2x2 loader, each image once / limit",
+         "speed.grpo8.distinct_over_limit", ">=", 6, IN),
+    Goal(14, "plain+fsync write time / mmstore",
+         "speed.write.plain_fsync_over_mmstore", ">=", 0.67, IN),
+]
+# fmt: on
 
 
 def _get(result: dict[str, Any], path: str) -> Any:
@@ -222,29 +419,87 @@ def _get(result: dict[str, Any], path: str) -> Any:
     return value
 
 
-def headline(name: str, result: dict[str, Any]) -> list[tuple[str, float]]:
-    """The ratios to tabulate: declared above, or a module's own ``HEADLINE`` list."""
-    module = importlib.import_module(SUITE[name][0])
-    rows = SUITE[name][1] or [(label, path, "") for label, path in getattr(module, "HEADLINE", [])]
+def rows(name: str) -> list[Row]:
+    """A benchmark's headline rows: declared above, or its module's ``HEADLINE``."""
+    module_name, declared = SUITE[name]
+    if declared:
+        return declared
+    module = importlib.import_module(module_name)
+    return [(label, path, "", startup) for label, path, startup in getattr(module, "HEADLINE", [])]
+
+
+def figures(name: str, result: dict[str, Any]) -> list[tuple[Row, float]]:
+    """Each headline row with its value; rows the result lacks (skipped parts) left out."""
     out = []
-    for label, path, _ in rows:
+    for row in rows(name):
         try:
-            out.append((label, float(_get(result, path))))
+            out.append((row, float(_get(result, row[1]))))
         except (KeyError, TypeError, ValueError):
             continue
     return out
 
 
-def _direction(name: str, label: str) -> str:
-    """How to read a ratio: "higher = mmstore better" unless its SUITE entry says otherwise."""
-    for row_label, _, direction in SUITE[name][1]:
-        if row_label == label:
-            return {
-                "better": "higher = mmstore better",
-                "lower": "lower = mmstore better",
-                "flat": "1 = flat",
-            }.get(direction, direction)
-    return "see the benchmark's docstring"
+def headline(name: str, result: dict[str, Any]) -> list[tuple[str, float]]:
+    """The ratios to tabulate: (label, value)."""
+    return [(row[0], value) for row, value in figures(name, result)]
+
+
+def _direction(direction: str) -> str:
+    """How to read a ratio, from its row's short form."""
+    if not direction:
+        return "see the benchmark's docstring"
+    return {
+        "better": "higher = mmstore better",
+        "lower": "lower = mmstore better",
+        "flat": "1 = flat",
+    }.get(direction, direction)
+
+
+def judge(goal: Goal, results: dict[str, Any]) -> tuple[float | None, str]:
+    """A goal's figure and whether it holds: "yes", "NO", "not measured" (no benchmark gives
+    the figure, or the result lacks it) or "not run" (its benchmark is not in ``results``)."""
+    if goal.path is None:
+        return None, "not measured"
+    name, _, path = goal.path.partition(".")
+    if name not in results:
+        return None, "not run"
+    try:
+        value = float(_get(results[name], path))
+    except (KeyError, TypeError, ValueError):  # TypeError: a figure recorded as None
+        return None, "not measured"
+    return value, "yes" if OPS[goal.op](value, goal.threshold) else "NO"
+
+
+def goals_table(results: dict[str, Any], goals: list[Goal] = GOALS) -> str:
+    lines = ["| issue | goal | figure | holds | start-up |", "|---|---|---:|---|---|"]
+    for goal in goals:
+        value, holds = judge(goal, results)
+        figure = "-" if value is None else f"{value:.3g}"
+        lines.append(
+            f"| {goal.issue} | {goal.label} {goal.op} {goal.threshold:g} | {figure} | {holds} "
+            f"| {goal.startup} |"
+        )
+    return "\n".join(lines)
+
+
+def _natural(path: str) -> list[Any]:
+    """Sort key: speed-10 after speed-9."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def committed(folder: str = RESULTS) -> dict[str, Any]:
+    """Each benchmark's newest result in ``folder``, by name: this script's <date>.json files
+    hold every benchmark it ran, a benchmark's own <date>-<name>[-<n>].json its result alone."""
+    merged: dict[str, Any] = {}
+    for file in sorted(glob.glob(os.path.join(folder, "*.json")), key=_natural):  # newest last
+        with open(file) as f:
+            data = json.load(f)
+        own = re.fullmatch(r"\d{4}-\d\d-\d\d-([a-z]+)(-\d+)?\.json", os.path.basename(file))
+        if "results" in data:
+            merged.update(data["results"])
+        elif own and own[1] in SUITE:
+            merged[own[1]] = data
+    return merged
 
 
 def run_all(scale: float, reps: int, only: list[str] | None = None) -> dict[str, Any]:
@@ -266,14 +521,17 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         f"# mmstore benchmarks, {meta['date']}",
         "",
         f"scale {meta['scale']}, {meta['reps']} repetitions, {meta['cores']} cores, "
-        f"{meta['machine']}. Ratios of two measurements taken in the same run.",
+        f"{meta['machine']}. Ratios of two measurements taken in the same run; start-up: "
+        "whether a timed figure includes starting to read (store, dataset, loader, workers).",
         "",
-        "| benchmark | ratio | direction |",
-        "|---|---:|---|",
+        "| benchmark | ratio | direction | start-up |",
+        "|---|---:|---|---|",
     ]
     for name, result in results.items():
-        for label, value in headline(name, result):
-            lines.append(f"| {label} | {value:.3g} | {_direction(name, label)} |")
+        for (label, _, direction, startup), value in figures(name, result):
+            lines.append(f"| {label} | {value:.3g} | {_direction(direction)} | {startup} |")
+    # Every goal, measured or not, so that a goal no benchmark measures stays in sight.
+    lines += ["", "## Goals", "", goals_table(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -310,8 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.out is None:
         full = args.scale >= 1
-        results_dir = os.path.join(os.path.dirname(__file__), "results")
-        args.out = results_dir if full else tempfile.mkdtemp(prefix="mmstore-bench-")
+        args.out = RESULTS if full else tempfile.mkdtemp(prefix="mmstore-bench-")
     meta = {
         "date": datetime.date.today().isoformat(),
         "scale": args.scale,

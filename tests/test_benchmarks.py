@@ -1,19 +1,81 @@
-"""The benchmark suite at a tiny scale: it must run and its correctness checks must hold.
+"""The benchmark suite at a tiny scale: it must run and its correctness checks must hold;
+and the goals table judges figures as declared, from keys the benchmarks really write.
 
 Timing is never asserted; a benchmark fails here only by crashing or by a failed check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from benchmarks import run
 
-pytestmark = pytest.mark.slow  # whole benchmarks, small: 15 s to 3 minutes each here
+slow = pytest.mark.slow  # whole benchmarks, small: 15 s to 3 minutes each here
+
+# Goal figures that a benchmark writes but its newest committed result predates: checked
+# against the benchmark's source until a committed run has them (then drop them here).
+NOT_YET_COMMITTED = {"speed.distinct.persistent_later_over_limit"}
 
 
+def test_goals_judged_with_their_comparator():
+    results = {
+        "columns": {"unasked_over_plain": 1.02, "topk_disk_over_raw": None},
+        "speed": {"grpo8": {"over_limit": 5.06}},
+    }
+    goals = [
+        run.Goal(40, "at the bound", "columns.unasked_over_plain", "<=", 1.02, run.EXCLUDED),
+        run.Goal(40, "over it", "columns.unasked_over_plain", "<=", 1.01, run.EXCLUDED),
+        run.Goal(43, "under it", "speed.grpo8.over_limit", ">=", 6, run.IN),
+        run.Goal(43, "over it", "speed.grpo8.over_limit", ">=", 5, run.IN),
+        run.Goal(40, "recorded as None", "columns.topk_disk_over_raw", "<=", 1.3, run.NA),
+        run.Goal(40, "a key the result lacks", "columns.renamed", "<=", 1.3, run.NA),
+        run.Goal(43, "no benchmark", None, "<=", 1.5, run.NA),
+        run.Goal(41, "benchmark not run", "forest.grpo.forest_tokens_over_ideal", "<=", 1, run.NA),
+    ]
+    holds = [run.judge(goal, results)[1] for goal in goals]
+    assert holds == ["yes", "NO", "NO", "yes", "not measured", "not measured", "not measured",
+                     "not run"]  # fmt: skip
+    table = run.goals_table(results, goals)
+    assert "| 43 | under it >= 6 | 5.06 | NO | in |" in table
+    assert "| 40 | at the bound <= 1.02 | 1.02 | yes | excluded |" in table
+    assert "| 41 | benchmark not run <= 1 | - | not run | n/a |" in table
+    # The suite's table: each ratio with its start-up, then every declared goal.
+    meta = {"date": "d", "scale": 1, "reps": 1, "cores": 2, "machine": "m"}
+    live = {"pil": {"per_step_over_live_p50": 3.0}}
+    text = run.markdown({"live": live}, meta)
+    row = "| live step start p50 (pil): per-step loader / LiveLoader | 3 |"
+    assert f"{row} higher = mmstore better | excluded |" in text
+    goal_rows = text.split("## Goals")[1].splitlines()[4:]
+    assert len(goal_rows) == len(run.GOALS) and "| not run |" in text
+
+
+def test_goals_name_figures_the_benchmarks_write():
+    """Each goal's figure is a key its benchmark's newest committed result has (a renamed key
+    fails here); a figure newer than that result, or of a benchmark with none committed, is
+    at least named in the benchmark's source."""
+    committed = run.committed()
+    for goal in run.GOALS:
+        assert goal.op in run.OPS and goal.startup in run.STARTUPS, goal
+        if goal.path is None:
+            continue
+        name, _, path = goal.path.partition(".")
+        value, _ = run.judge(goal, committed)
+        if name in committed and goal.path not in NOT_YET_COMMITTED:
+            assert value is not None, f"{goal.path}: not in the committed {name} results"
+            continue
+        assert value is None, f"{goal.path} is committed now: drop it from NOT_YET_COMMITTED"
+        spec = importlib.util.find_spec(run.SUITE[name][0])
+        assert spec and spec.origin, name
+        assert path.rsplit(".", 1)[-1] in Path(spec.origin).read_text(), goal.path
+    for _, rows in run.SUITE.values():
+        assert all(row[3] in run.STARTUPS for row in rows)
+
+
+@slow
 def test_suite_smoke(tmp_path):
     results = run.main(["--scale", "0.05", "--reps", "1", "--out", str(tmp_path)])
     assert set(results) == set(run.SUITE)
@@ -27,6 +89,7 @@ def test_suite_smoke(tmp_path):
             assert label in table and value > 0
 
 
+@slow
 def test_speed_benchmark_smoke():
     from benchmarks import bench_speed
 
@@ -70,6 +133,7 @@ def test_speed_benchmark_smoke():
     assert "GRPO-8" in bench_speed.table(result) and "CPU s/image" in bench_speed.table(result)
 
 
+@slow
 def test_table_benchmark_smoke():
     """The Delta table benchmark, locally and on moto_server (direct and at 30 ms): its
     file-count checks hold, every side was timed, and the worst-case tail is as built."""
@@ -91,6 +155,7 @@ def test_table_benchmark_smoke():
         assert result[key] > 0, key
 
 
+@slow
 def test_columns_benchmark_smoke():
     """Issue 40's extra columns: a loader asking for none reads what it reads without them
     (Parquet projection), asking for them reads them, and every figure was measured."""
@@ -108,6 +173,7 @@ def test_columns_benchmark_smoke():
     assert "bytes read per batch" in bench_columns.table(result)
 
 
+@slow
 def test_forest_benchmark_smoke():
     """Issue 41's prefix forests: a GRPO step and a per-turn agent forward exactly their
     distinct tokens and run each distinct screenshot once; unshared packing forwards more."""
