@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -592,6 +593,29 @@ def test_the_remedy_an_error_names_resumes_the_run(tmp_path, small_processor):
         other_runs.load_state_dict(state)
 
 
+def test_the_max_len_an_over_long_sample_names_resumes_the_run(tmp_path, small_processor):
+    # A sample over max_tokens: the error names a max_len that truncates it, and a loader
+    # built with that max_len takes the saved state and trains the step, truncated.
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    ids = _write(store, adapter, _one_group_commits([0, 1], size=2))
+    lengths = [len(r.tokens) for r in store.rollouts()]
+    max_tokens = max(lengths) - 2
+    with live_loader(store, max_tokens=max_tokens) as live:
+        with pytest.raises(mmstore.SampleTooLongError, match=r"set max_len <= \d+") as err:
+            list(live.next_step(timeout=5))
+        assert live.step == 0
+        state = live.state_dict()
+    max_len = int(re.search(r"max_len <= (\d+)", str(err.value))[1])
+    settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0, max_len=max_len)
+    with live_loader(store, max_tokens=max_tokens, materialize=settings) as fixed:
+        fixed.load_state_dict(state)
+        batches = list(fixed.next_step(timeout=5))
+        trained = [s for b in batches for s in live_workers.micro_record(b)[3]]
+        assert sorted(trained) == sorted(ids) and fixed.step == 1
+        assert all(b["input_ids"].shape[-1] <= max_tokens for b in batches)
+
+
 def test_a_dead_worker_is_a_typed_error_and_the_step_is_replayed(tmp_path, small_processor):
     store = mmstore.Store.open(tmp_path / "s", create=True)
     adapter = mmstore.adapter_for(small_processor)
@@ -633,6 +657,26 @@ def test_a_final_commit_ends_the_run_with_a_short_step_and_totals(tmp_path, smal
     with live_loader(store, batch_size=6, max_tokens=None) as resumed:
         resumed.load_state_dict(state)
         assert resumed.finished
+
+
+def test_a_short_steps_totals_count_every_ranks_share(tmp_path, small_processor):
+    # The totals a loss divides by are the step's, across ranks: each rank reads them from
+    # the log alone, so ranks holding different shares report the same totals.
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    adapter = mmstore.adapter_for(small_processor)
+    rows = [make_row(adapter, [], f"s-{k}", group_id=f"g{k // 2}") for k in range(4)]
+    with store.writer(RUN, 0, final=True) as w:
+        w.write_many(rows)
+    shares = []
+    for rank in (0, 1):
+        with live_loader(store, batch_size=6, max_tokens=None, rank=rank, world_size=2) as live:
+            shares.append(list(live.next_step(timeout=5)))
+    ids = [[s for b in share for s in b["sample_ids"]] for share in shares]
+    assert sorted(ids[0] + ids[1]) == sorted(r.sample_id for r in rows) and all(ids)
+    loss_tokens = sum(int(b["loss_mask"].sum()) for share in shares for b in share)
+    for batch in (b for share in shares for b in share):
+        assert (batch["step_samples"], batch["step_loss_tokens"]) == (4, loss_tokens)
+    assert all(int(share[0]["loss_mask"].sum()) < loss_tokens for share in shares)
 
 
 def test_on_s3_an_idle_poll_is_one_request(s3_store, small_processor):

@@ -260,6 +260,42 @@ def test_a_compaction_by_delta_rs_is_refused_naming_the_file_and_the_way_back(
     assert len(mmstore.RolloutDataset(fresh, small_processor)) == 3
 
 
+def test_a_live_loader_trains_each_row_once_across_a_compaction(store, small_processor):
+    # delta-rs compacts the files of a step a live loader is half-way through: the rewrite
+    # is not trained again, and the rows it moved are not lost either (they are trained from
+    # the files they were committed in). A loader started after it trains every row once.
+    def commit(c: int, step: int = 0) -> None:
+        with store.writer(run_id="r1", step=step) as w:
+            w.write_many(mmstore.Rollout(sample_id=f"c{c}-{i}", **TOKENS) for i in range(2))
+
+    def live() -> mmstore.LiveLoader:
+        settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0)
+        return mmstore.LiveLoader(store, small_processor, runs="r1", batch_size=2,
+                                  materialize=settings)  # fmt: skip
+
+    def drain(loader: mmstore.LiveLoader) -> list[str]:
+        trained = []
+        while True:
+            try:
+                trained += [s for b in loader.next_step(timeout=0.5) for s in b["sample_ids"]]
+            except mmstore.LiveTimeoutError:
+                return trained
+
+    from deltalake import DeltaTable
+
+    for c in range(3):
+        commit(c)
+    every = [f"c{c}-{i}" for c in range(4) for i in range(2)]
+    with live() as running:
+        first = [s for b in running.next_step(timeout=5) for s in b["sample_ids"]]
+        DeltaTable(store.table.uri).optimize.compact()
+        assert store.table.entries_after(3)[0].operation == "OPTIMIZE"
+        commit(3, step=1)
+        assert first + drain(running) == every
+    with live() as fresh:
+        assert drain(fresh) == every
+
+
 def test_a_rewrite_that_keeps_the_footers_is_marked_for_followers(store):
     # Another engine moves mmstore's file (same bytes, footer kept) without changing rows:
     # dataChange false on both actions. The entry says so; replay lists the new file.

@@ -203,7 +203,7 @@ class LogFollower:
                     break
                 raise
             found.extend(files)
-            removed.update(entry.removed)
+            removed.update(_deleted(entry))
             if entry.final:
                 finished.update(f.run_id for f in entry.added if f.run_id in self.runs)
             removed_rows += self._rows_removed_unseen(entry, removed_later)
@@ -255,13 +255,21 @@ class LogFollower:
         return files
 
 
+def _deleted(entry: LogEntry) -> frozenset[str]:
+    """The files whose rows ``entry`` deletes. A remove with ``dataChange: false`` (another
+    engine's compaction) only moves rows into a file the follower skips as a rewrite: the
+    rows are still to be trained, from the file they were committed in (kept on disk until
+    a vacuum or gc collects it)."""
+    return frozenset(entry.removed) - entry.rearranged
+
+
 def _removed_later(entries: list[LogEntry]) -> list[frozenset[str]]:
-    """For each entry, the files the entries after it remove."""
+    """For each entry, the files whose rows the entries after it delete."""
     later: list[frozenset[str]] = []
     removed: frozenset[str] = frozenset()
     for entry in reversed(entries):
         later.append(removed)
-        removed = removed | frozenset(entry.removed)
+        removed = removed | _deleted(entry)
     return later[::-1]
 
 
