@@ -72,7 +72,23 @@ def readers(store: mmstore.Store, processor):
         "rows": lambda: store.rollouts(),
         "entries": lambda: store.table.entries_after(0),
         "replay": lambda: store.table.replay(),
+        "live": lambda: follow(store, processor),
     }
+
+
+def follow(store: mmstore.Store, processor) -> list[str]:
+    """A live loader from the start of the log: the samples of every step until none comes
+    within a second (its error, if the log holds what it must refuse)."""
+    settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0)
+    trained: list[str] = []
+    with mmstore.LiveLoader(
+        store, processor, runs="r1", batch_size=1, materialize=settings
+    ) as live:
+        while True:
+            try:
+                trained += [s for b in live.next_step(timeout=1) for s in b["sample_ids"]]
+            except mmstore.LiveTimeoutError:
+                return trained
 
 
 # -- 4: deletion vectors -------------------------------------------------------------------
@@ -128,7 +144,7 @@ def test_an_add_with_a_deletion_vector_is_refused_without_the_protocol(store, sm
     # a hand-made log), a file with deleted rows is never read as whole.
     write(store, "r1", 0, 2)
     delete_a_row(store)
-    for name in ("files", "entries", "replay", "dataset"):
+    for name in ("files", "entries", "replay", "dataset", "live"):
         with pytest.raises(mmstore.SchemaVersionError, match="deletionVectors"):
             readers(store, small_processor)[name]()
 
