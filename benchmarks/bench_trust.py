@@ -34,6 +34,7 @@ from benchmarks._common import WORKLOADS, cli, interleaved, processor
 from mmstore._loading.materialize import Materializer
 from mmstore._rows import check as _rowcheck
 from mmstore._rows.invariants import truncation_point
+from mmstore._rows.lookups import family_checker
 from mmstore._rows.snapshot import read_units
 from mmstore.synth import grpo_rollouts
 
@@ -115,7 +116,7 @@ def check_seconds_per_row(store: mmstore.Store, proc: Any, checked: bool, reps: 
             start = time.process_time()
             window = _rowcheck.RowWindow(
                 table,
-                _rowcheck.family_checker(ds.adapter),
+                family_checker(ds.adapter),
                 max_pixels=store.max_image_pixels,
                 image_token_ids=ds.adapter.special_token_ids,
             )

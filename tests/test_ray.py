@@ -20,8 +20,9 @@ import torch
 
 import mmstore
 from mmstore._format.schema import ROW_COLUMNS
-from mmstore._rows.check import RowWindow, family_checker
+from mmstore._rows.check import RowWindow
 from mmstore._rows.files import conform
+from mmstore._rows.lookups import family_checker
 from mmstore.synth import photo, write_grpo_steps
 from tests.conftest import SMALL_MAX_PIXELS
 

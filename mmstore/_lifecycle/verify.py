@@ -36,11 +36,7 @@ from mmstore._format.schema import ROW_COLUMNS, check_schema_version
 from mmstore._lifecycle.gc import needed_files
 from mmstore._lifecycle.pins import PinRecord, read_pin_records
 from mmstore._progress import bar
-from mmstore._rows.check import (
-    RowWindow,
-    footer_checker,
-    footer_video_checker,
-)
+from mmstore._rows.check import RowWindow
 from mmstore._rows.files import (
     HASH_RE,
     MEDIA_COLUMNS,
@@ -54,6 +50,7 @@ from mmstore._rows.files import (
     reading,
     where_of_file,
 )
+from mmstore._rows.lookups import footer_checker, footer_video_checker
 from mmstore._rows.store import Store
 from mmstore._rows.table import TableFile
 from mmstore._rows.versions import version_files

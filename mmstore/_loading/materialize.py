@@ -25,7 +25,8 @@ from mmstore._format.models import MAX_CLIP_FRAMES, ImageRef, VideoRef
 from mmstore._format.video import clip_mismatch, decode_frames, probe_video
 from mmstore._loading.cache import ByteLRU, WindowRetention
 from mmstore._loading.node_cache import NodeCache, fits, processor_digest
-from mmstore._rows.check import RowWindow, Sample, family_checker, video_checker
+from mmstore._rows.check import RowWindow, Sample
+from mmstore._rows.lookups import family_checker, video_checker
 from mmstore._rows.snapshot import Neighbours
 from mmstore._rows.store import Store
 from mmstore._tensors import cast_floats

@@ -24,9 +24,8 @@ torch tensors with its images' tensors.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -37,18 +36,11 @@ import pyarrow.parquet as pq
 
 from mmstore._families import (
     Family,
-    VideoFamily,
-    family_for_layout,
-    is_video_layout,
-    layout_for_fingerprint,
-    layout_from_record,
-    video_family_for_layout,
 )
 from mmstore._format.columns import Column, flat_values, footer_columns
 from mmstore._format.models import ImageRef, VideoRef
 from mmstore._format.schema import (
     FILE_COLUMN,
-    META_LAYOUTS,
     ROLLOUT_SCHEMA,
     ROW_COLUMNS,
     check_schema_version,
@@ -60,11 +52,16 @@ from mmstore._rows.files import (
     with_declared_columns,
 )
 from mmstore._rows.invariants import check_spans, check_video_spans, truncation_point
+from mmstore._rows.lookups import (
+    FamilyOf,
+    VideoFamilyOf,
+    footer_checker,
+    footer_video_checker,
+    process_video_family,
+)
 from mmstore.errors import (
     InvalidRolloutError,
-    LayoutMismatchError,
     MmstoreError,
-    UnknownLayoutError,
 )
 
 # No model reads a row this long (the longest contexts are ~1M tokens); a forged row of a few
@@ -72,8 +69,6 @@ from mmstore.errors import (
 MAX_ROW_TOKENS = 2**22
 # Real rows hold a handful of images, at most a few hundred (video frames).
 MAX_ROW_IMAGES = 2**14
-FamilyOf = Callable[[str, str], Family]  # (fingerprint, family name) -> Family, or raises
-VideoFamilyOf = Callable[[str, str], VideoFamily]  # the same, for video refs
 
 Array = TypeVar("Array")  # numpy views as checked; torch tensors once materialized
 Image = TypeVar("Image")  # an ImageRef as checked; the image's tensors once materialized
@@ -595,137 +590,9 @@ def read_checked(
     return table
 
 
-def footer_checker(footer: dict[bytes, bytes] | None) -> tuple[FamilyOf, list[int]]:
-    """The family lookup and image token ids of a reader without a processor.
-
-    A ref's family comes from the layout record in the file's footer when that record hashes
-    to the ref's fingerprint, else from a layout built in this process
-    (``mmstore.adapter_for``); a fingerprint neither knows raises
-    :class:`UnknownLayoutError`. Token ids come from the footer's records (the writer's
-    tokenizer): a reader without a processor cannot know the trainer's, so the loader checks
-    again with its own.
-    """
-    families = _footer_families(footer)
-    token_ids = sorted({t for f in families.values() for t in f.special_token_ids})
-
-    def family_of(fingerprint: str, name: str) -> Family:
-        family = families.get(fingerprint)
-        if family is None:
-            layout = layout_for_fingerprint(fingerprint)
-            if layout is None:
-                raise UnknownLayoutError(
-                    f"layout fingerprint {fingerprint!r} is in neither the file's footer nor "
-                    "this process: its spans cannot be checked without the processor"
-                )
-            family = families[fingerprint] = family_for_layout(layout)
-        if family.family != name:
-            raise InvalidRolloutError(
-                f"ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
-            )
-        return family
-
-    return family_of, token_ids
-
-
-def _footer_families(footer: dict[bytes, bytes] | None) -> dict[str, Family]:
-    """Fingerprint -> Family, from the footer's image layout records."""
-    return {
-        fingerprint: family_for_layout(layout)
-        for fingerprint, layout in _footer_layouts(footer).items()
-        if not is_video_layout(layout)
-    }
-
-
-def _footer_layouts(footer: dict[bytes, bytes] | None) -> dict[str, Any]:
-    """Fingerprint -> Layout, from the footer's layout records that hash to their key."""
-    try:
-        records = json.loads((footer or {}).get(META_LAYOUTS, b"{}"))
-    except ValueError:
-        return {}
-    if not isinstance(records, dict):
-        return {}
-    layouts = {}
-    for fingerprint, record in records.items():
-        try:
-            layout = layout_from_record(record)
-            hash(layout)  # forged parameter values may be lists or dicts
-        except (MmstoreError, TypeError, ValueError):
-            continue  # an unknown family or a forged record: not evidence of anything
-        if layout.fingerprint == fingerprint:
-            layouts[fingerprint] = layout
-    return layouts
-
-
-def process_video_family(fingerprint: str, name: str) -> VideoFamily:
-    """A video ref's family from the layouts built in this process (or raise)."""
-    layout = layout_for_fingerprint(fingerprint)
-    if layout is None or not is_video_layout(layout):
-        raise UnknownLayoutError(
-            f"video layout fingerprint {fingerprint!r} is in neither the file's footer nor "
-            "this process: its spans cannot be checked without the processor"
-        )
-    return _named(video_family_for_layout(layout), fingerprint, name)
-
-
-def footer_video_checker(footer: dict[bytes, bytes] | None) -> VideoFamilyOf:
-    """The video family lookup of a reader without a processor (as :func:`footer_checker`)."""
-    families = {
-        fingerprint: video_family_for_layout(layout)
-        for fingerprint, layout in _footer_layouts(footer).items()
-        if is_video_layout(layout)
-    }
-
-    def video_family_of(fingerprint: str, name: str) -> VideoFamily:
-        family = families.get(fingerprint)
-        if family is None:
-            return process_video_family(fingerprint, name)
-        return _named(family, fingerprint, name)
-
-    return video_family_of
-
-
-def video_checker(adapter: Family) -> VideoFamilyOf:
-    """The loader's video lookup: every video ref laid out by the loader's video processor."""
-
-    def video_family_of(fingerprint: str, name: str) -> VideoFamily:
-        video = adapter.video  # raises for a family or processor without video
-        if fingerprint != video.fingerprint:
-            raise LayoutMismatchError(
-                f"video ref laid out by {fingerprint}, video processor is {video.fingerprint}"
-            )
-        return _named(video, fingerprint, name)
-
-    return video_family_of
-
-
-def _named(family: VideoFamily, fingerprint: str, name: str) -> VideoFamily:
-    if family.family != name:
-        raise InvalidRolloutError(
-            f"video ref says family {name!r} but fingerprint {fingerprint!r} is {family.family!r}"
-        )
-    return family
-
-
 def _first_problem(exc: ValueError) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         err = errors()[0]
         return f"{'.'.join(str(p) for p in err['loc']) or 'ref'}: {err['msg']}"
     return str(exc)
-
-
-def family_checker(adapter: Family) -> FamilyOf:
-    """The loader's lookup: every ref must be laid out by the loader's own processor."""
-
-    def family_of(fingerprint: str, family: str) -> Family:
-        if fingerprint != adapter.fingerprint:
-            raise LayoutMismatchError(
-                f"ref laid out by {fingerprint}, processor is {adapter.fingerprint}"
-            )
-        if family != adapter.family:
-            raise InvalidRolloutError(
-                f"ref says family {family!r} but fingerprint {fingerprint!r} is {adapter.family!r}"
-            )
-        return adapter
-
-    return family_of
