@@ -39,8 +39,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
-from mmstore._format.paths import store_path, table_path
 from mmstore._format.schema import ROLLOUT_SCHEMA
+from mmstore._rows.delta_records import (
+    add_action,
+    check_partitioning,
+    check_protocol,
+    check_writable,
+    remove_action,
+    table_files,
+)
 from mmstore._rows.entries import (
     COMMIT_ID_KEY,
     FINAL_KEY,
@@ -52,20 +59,16 @@ from mmstore._rows.entries import (
     TableFile,
     TableSnapshot,
     Tip,
-    check_reader_protocol,
     entry_path,
     parse_entry,
-    partition_values,
     producer_key,
     removal_entry,
 )
-from mmstore._rows.log import LOG_COMMIT_ATTEMPTS, LOG_WRITER_VERSION, TableLog
+from mmstore._rows.log import LOG_COMMIT_ATTEMPTS, TableLog
 from mmstore.errors import (
     InvalidArgumentError,
     MmstoreError,
-    SchemaVersionError,
     TableConflictError,
-    TableError,
     TableForkError,
     TableNotFoundError,
     TableVersionError,
@@ -246,7 +249,7 @@ class DeltaRsTable:
         try:
             if self._latest is None:
                 table = DeltaTable(self.uri, storage_options=self.storage_options)
-                _check_partitioning(table, self.uri)
+                check_partitioning(table, self.uri)
                 self._latest = table
             else:
                 self._latest.update_incremental()
@@ -258,7 +261,7 @@ class DeltaRsTable:
             self._latest = None
             self._diagnose(None)
             raise
-        _check_protocol(self._latest, self.uri)
+        check_protocol(self._latest, self.uri)
         return self._latest
 
     def _diagnose(self, version: int | None) -> None:
@@ -311,7 +314,7 @@ class DeltaRsTable:
 
     def _opened_tip(self) -> Tip:
         table = self._table()
-        return Tip(int(table.version()), _files(table))
+        return Tip(int(table.version()), table_files(table))
 
     def snapshot(self, version: int) -> TableSnapshot:
         """The files of ``version``: the latest's if this object follows it already, else
@@ -344,8 +347,8 @@ class DeltaRsTable:
                 table=self.uri,
                 version=version,
             ) from None
-        _check_protocol(table, self.uri)
-        return TableSnapshot(version, _files(table))
+        check_protocol(table, self.uri)
+        return TableSnapshot(version, table_files(table))
 
     # -- committing ----------------------------------------------------------------------
 
@@ -391,7 +394,7 @@ class DeltaRsTable:
                     return CommitResult(None, skipped=taken)
             self._transact(
                 table,
-                [_add_action(f) for f in todo],
+                [add_action(f) for f in todo],
                 commit_id,
                 transaction,
                 digest=digest,
@@ -421,11 +424,11 @@ class DeltaRsTable:
             return self._remove_in_log(select, predicate)
 
         def attempt(table: DeltaTable, retry: int) -> Removal:
-            chosen = tuple(f for f in _files(table) if select(f))
+            chosen = tuple(f for f in table_files(table) if select(f))
             if not chosen:
                 return Removal(None, ())
             read, commit_id = int(table.version()), uuid.uuid4().hex
-            self._transact(table, [_remove_action(f) for f in chosen], commit_id, None)
+            self._transact(table, [remove_action(f) for f in chosen], commit_id, None)
             return Removal(self.log.committed_at(commit_id, read), chosen)
 
         return self._retrying("removal", attempt)
@@ -435,7 +438,7 @@ class DeltaRsTable:
         a lost put means another commit took it; the files are chosen again from there."""
         for _ in range(LOG_COMMIT_ATTEMPTS):
             with self.lock:
-                _check_writable(self._table(), self.uri)
+                check_writable(self._table(), self.uri)
                 latest = self.latest()
                 chosen = tuple(f for f in latest.files if select(f))
                 if not chosen:
@@ -598,87 +601,5 @@ class DeltaRsTable:
             return int(table.version())
 
 
-# -- delta-rs's records ------------------------------------------------------------------
-
-
-def _check_partitioning(table: DeltaTable, uri: str) -> None:
-    partitions = list(table.metadata().partition_columns)
-    if partitions != PARTITION_COLUMNS:
-        raise SchemaVersionError(
-            f"the rollouts table is partitioned by {partitions}, not {PARTITION_COLUMNS}",
-            table=uri,
-        )
-
-
-def _check_writable(table: DeltaTable, uri: str) -> None:
-    """Refuse to write a removal into a table whose protocol asks more of a writer than
-    mmstore's log writer does (writer features, a version above 2) or that is append-only."""
-    protocol = table.protocol()
-    if protocol.min_writer_version > LOG_WRITER_VERSION or protocol.writer_features:
-        raise SchemaVersionError(
-            f"the rollouts table's protocol needs writer version "
-            f"{protocol.min_writer_version} (features {protocol.writer_features or []}); "
-            f"mmstore writes version {LOG_WRITER_VERSION}",
-            table=uri,
-        )
-    if table.metadata().configuration.get("delta.appendOnly") == "true":
-        raise TableError("the rollouts table is append-only (delta.appendOnly)", table=uri)
-
-
-def _check_protocol(table: DeltaTable, uri: str) -> None:
-    """Refuse a table whose protocol needs a reader feature mmstore lacks (typed, naming
-    it; see :func:`~mmstore._rows.log.check_reader_protocol`)."""
-    protocol = table.protocol()
-    check_reader_protocol(
-        {
-            "minReaderVersion": protocol.min_reader_version,
-            "readerFeatures": protocol.reader_features,
-        },
-        table=uri,
-        version=int(table.version()),
-    )
-
-
-def _files(table: DeltaTable) -> tuple[TableFile, ...]:
-    """A DeltaTable's live files (its add actions), sorted by path."""
-    # Through the C stream interface: pa.table() of an arro3 table imports pandas (0.2 s) to
-    # ask whether it is a DataFrame, and the CLI's read-only commands never need pandas.
-    actions = pa.RecordBatchReader.from_stream(table.get_add_actions(flatten=True)).read_all()
-    columns = [
-        actions.column(name).to_pylist()
-        for name in ("path", "partition.run_id", "partition.step", "size_bytes", "num_records")
-    ]
-    files = [
-        TableFile(store_path(path), run_id, int(step), int(size), rows)
-        for path, run_id, step, size, rows in zip(*columns, strict=True)
-    ]
-    return tuple(sorted(files, key=lambda f: f.path))
-
-
 def _paths(entry: LogEntry) -> Iterable[str]:
     return (f.path for f in entry.added)
-
-
-def _add_action(file: TableFile) -> Any:
-    from deltalake.transaction import AddAction
-
-    return AddAction(
-        path=table_path(file.path),
-        size=file.size,
-        partition_values=partition_values(file),
-        modification_time=int(time.time() * 1000),
-        data_change=True,
-        stats=json.dumps({"numRecords": file.rows}),
-    )
-
-
-def _remove_action(file: TableFile) -> Any:
-    from deltalake.transaction import RemoveAction
-
-    return RemoveAction(
-        path=table_path(file.path),
-        data_change=True,
-        deletion_timestamp=int(time.time() * 1000),
-        size=file.size,
-        partition_values=partition_values(file),
-    )
