@@ -22,6 +22,14 @@ spread and every repetition's value in the JSON. A "clip" below is one video of 
   repetitions from ``/dev/shm``); each worker's own cache (the default 256 MiB) serves the
   clip a GRPO group shares within a pass. Reading, the trust checks, probing each clip,
   seeking to the ref's frames, the processor, the bf16 cast and collation all count.
+- steady (issue 43 item 1): the same loader with ``persistent_workers=True``, built each
+  repetition and run ``STEADY_PASSES`` passes; the later passes are timed (start-up
+  excluded: the workers, their decoders and the plan outlive a pass). Each worker's cache
+  holds one processed clip where clips are shared (what a GRPO group's batch shares) and
+  none where they are not, never a pass's clips: every later pass must process each
+  distinct clip again (checked on the cache misses), so no pass is served by the one
+  before. ``steady_distinct`` is the same with ``distinct_images=True`` (a batch carries a
+  GRPO group's clip once). Needs two distinct clips a worker (scale >= 0.5 for GRPO).
 - limit: ``workers * clips / seconds``, where ``seconds`` is decoding and processing each
   distinct clip once in this process, single-threaded (one core per worker, as a
   DataLoader worker runs torch): ``mmstore._format.video.decode_frames(data, ref.frames)`` +
@@ -61,6 +69,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +78,11 @@ from torch.utils.data import DataLoader, Dataset
 
 import mmstore
 from benchmarks._common import cli, interleaved, paired_ratio, single_threaded, timed
+from mmstore._format.video import decode_frames
 from mmstore.synth import TEXT_VOCAB, VISION_END, VISION_START, screen_recording
 
 BATCH = 4
+STEADY_PASSES = 3  # of a loader with persistent workers: the first starts them
 FPS = 2.0  # the frames per second the processor samples
 CHECKED_CLIPS = 4  # distinct clips per workload whose tensors are compared with the naive path
 LIMIT_CLIPS = 16  # distinct clips per workload timed for the limit (their mean stands for all)
@@ -214,6 +225,45 @@ def loader_pass(work: Workload, adapter: Any, workers: int) -> tuple[float, int,
     return counts[0] / seconds, counts[0], counts[1]
 
 
+def steady_passes(
+    work: Workload, adapter: Any, workers: int, *, distinct_images: bool, cache_bytes: int
+) -> tuple[float, int]:
+    """``STEADY_PASSES`` passes of one loader whose workers persist: samples/s of the later
+    passes (start-up excluded), and the samples they gave. Each worker's cache holds
+    ``cache_bytes``, room for the clip a GRPO group's batch shares, not for a pass's clips;
+    raises if a later pass did not process every distinct clip again (a pass served from
+    the one before)."""
+    settings = mmstore.Materialize(
+        dtype=torch.bfloat16,
+        node_cache_bytes=0,
+        distinct_images=distinct_images,
+        cache_bytes=cache_bytes,
+    )
+    ds = mmstore.RolloutDataset(work.store, adapter, materialize=settings, seed=0)
+    loader = mmstore.RolloutLoader(
+        ds, batch_size=BATCH, num_workers=workers, persistent_workers=True
+    )
+    before_fork()
+    seconds, samples = 0.0, 0
+    try:
+        for index in range(STEADY_PASSES):
+            counts = [0, 0]
+
+            def go(counts: list[int] = counts) -> None:
+                for batch in loader:
+                    counts[0] += len(batch["sample_ids"])
+                    counts[1] += int(batch["cache_misses"])
+
+            took, _ = timed(go)
+            assert counts[0] == work.samples, f"a pass gave {counts[0]} samples"
+            if index:  # the first pass starts the workers
+                assert counts[1] == len(work.clips), f"pass {index} processed {counts[1]} clips"
+                seconds, samples = seconds + took, samples + counts[0]
+    finally:
+        loader.close()
+    return samples / seconds, samples
+
+
 def naive_pass(work: Workload, vp: Any, workers: int) -> tuple[float, int]:
     ds = NaiveVideoDataset([work.paths[s] for s in work.order], vp)
     loader = DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=_cat)
@@ -321,7 +371,28 @@ def measure(work: Workload, adapter: Any, vp: Any, workers: int, reps: int) -> d
         assert clips == work.samples, f"naive Dataset gave {clips} clips"
         return rate
 
-    figures = interleaved({"limit": limit, "mmstore": ours, "naive": naive}, reps)
+    data, ref = timed_clips[0]
+    processed = adapter.video.process(decode_frames(data, ref.frames), ref, torch.bfloat16)
+    clip_bytes = sum(t.numel() * t.element_size() for t in processed.values())
+
+    def steady(distinct_images: bool) -> Callable[[], float]:
+        def go() -> float:
+            # Nothing shared: no cache. Shared: room for one clip (they are alike), not two.
+            cache = 0 if work.samples == distinct else int(1.5 * clip_bytes)
+            return steady_passes(
+                work, adapter, workers, distinct_images=distinct_images, cache_bytes=cache
+            )[0]
+
+        return go
+
+    contenders = {"limit": limit, "mmstore": ours, "naive": naive}
+    # A worker's last clip of a pass would still be in its cache at the start of the next
+    # if it had only one: steady passes need two distinct clips a worker at least.
+    if distinct >= 2 * workers:
+        contenders["steady"] = steady(False)
+        if work.samples > distinct:  # clips shared: a distinct batch carries each once
+            contenders["steady_distinct"] = steady(True)
+    figures = interleaved(contenders, reps)
     probe = probe_seconds_per_clip(timed_clips, work.store.max_image_pixels)
     med = {k: v["median"] for k, v in figures.items()}
     _, ref = next(iter(work.clips.values()))
@@ -342,6 +413,15 @@ def measure(work: Workload, adapter: Any, vp: Any, workers: int, reps: int) -> d
         # packet, decodes the first frame) to compare it with the ref; measured once here.
         "probe_seconds_per_distinct_clip": probe,
         "mmstore_over_limit": paired_ratio(figures, "mmstore", "limit")["median"],
+        # Start-up excluded (persistent workers' later passes): issue 43's steady state.
+        **{
+            key: paired_ratio(figures, name, "limit")["median"]
+            for key, name in (
+                ("steady_over_limit", "steady"),
+                ("steady_distinct_over_limit", "steady_distinct"),
+            )
+            if name in figures
+        },
         "mmstore_over_naive": paired_ratio(figures, "mmstore", "naive")["median"],
         "paired": {
             "mmstore_over_limit": paired_ratio(figures, "mmstore", "limit"),
