@@ -27,10 +27,8 @@ Run: ``PYTHONPATH=. .venv/bin/python -m benchmarks.bench_live --scale 1 --reps 3
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import json
 import os
 import resource
 import statistics
@@ -46,7 +44,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
-from benchmarks._common import processor
+from benchmarks._common import cli, processor
 from mmstore._families import takes_tensors
 from mmstore._format.media import decode_rgb, decode_rgb_tensor
 from mmstore._loading.workers import keep_freed_memory
@@ -285,11 +283,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "floor":
         print(_floor_here(sys.argv[2], int(sys.argv[3])))
         return
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps(run(args.scale, args.reps), indent=2))
+    cli(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ Run: ``PYTHONPATH=. .venv/bin/python -m benchmarks.bench_live_video --scale 1 --
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 import mmstore
-from benchmarks._common import single_threaded
+from benchmarks._common import cli, single_threaded
 from benchmarks.bench_live import _commit_times, _summary
 from benchmarks.bench_video import FPS, clip_shape, video_adapter, video_processor
 from mmstore.synth import TEXT_VOCAB, VISION_END, VISION_START, screen_recording
@@ -178,11 +176,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "floor":
         print(_floor_here(float(sys.argv[2]), int(sys.argv[3])))
         return
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps(run(args.scale, args.reps), indent=2))
+    cli(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -205,24 +205,36 @@ def before_fork() -> None:
     gc.collect()
 
 
-def dataset(work: Workload, adapter: Any, **kwargs: Any) -> mmstore.RolloutDataset:
-    settings = mmstore.Materialize(dtype=torch.bfloat16, node_cache_bytes=0)
-    return mmstore.RolloutDataset(work.store, adapter, materialize=settings, seed=0, **kwargs)
+def dataset(
+    work: Workload, adapter: Any, settings: dict[str, Any] | None = None, **kwargs: Any
+) -> mmstore.RolloutDataset:
+    """The benchmark's dataset: bf16, no node cache, and ``settings`` of its own."""
+    materialize = mmstore.Materialize(dtype=torch.bfloat16, node_cache_bytes=0, **(settings or {}))
+    return mmstore.RolloutDataset(work.store, adapter, materialize=materialize, seed=0, **kwargs)
+
+
+def timed_pass(loader: mmstore.RolloutLoader) -> tuple[float, int, int, int]:
+    """One pass of ``loader``: seconds, samples given, clips carried (``video_grid_thw``
+    rows: one a sample, or one a distinct clip of a batch with ``distinct_images``), clips
+    processed (cache misses)."""
+    counts = [0, 0, 0]
+
+    def go() -> None:
+        for batch in loader:
+            counts[0] += len(batch["sample_ids"])
+            counts[1] += int(batch["video_grid_thw"].shape[0])
+            counts[2] += int(batch["cache_misses"])
+
+    seconds, _ = timed(go)
+    return seconds, counts[0], counts[1], counts[2]
 
 
 def loader_pass(work: Workload, adapter: Any, workers: int) -> tuple[float, int, int]:
     """One pass of a fresh loader: clips/s, clips given, clips processed (cache misses)."""
     loader = mmstore.RolloutLoader(dataset(work, adapter), batch_size=BATCH, num_workers=workers)
-    counts = [0, 0]
     before_fork()
-
-    def go() -> None:
-        for batch in loader:
-            counts[0] += int(batch["video_grid_thw"].shape[0])
-            counts[1] += int(batch["cache_misses"])
-
-    seconds, _ = timed(go)
-    return counts[0] / seconds, counts[0], counts[1]
+    seconds, _, clips, misses = timed_pass(loader)
+    return clips / seconds, clips, misses
 
 
 def steady_passes(
@@ -233,32 +245,22 @@ def steady_passes(
     ``cache_bytes``, room for the clip a GRPO group's batch shares, not for a pass's clips;
     raises if a later pass did not process every distinct clip again (a pass served from
     the one before)."""
-    settings = mmstore.Materialize(
-        dtype=torch.bfloat16,
-        node_cache_bytes=0,
-        distinct_images=distinct_images,
-        cache_bytes=cache_bytes,
-    )
-    ds = mmstore.RolloutDataset(work.store, adapter, materialize=settings, seed=0)
+    settings = {"distinct_images": distinct_images, "cache_bytes": cache_bytes}
     loader = mmstore.RolloutLoader(
-        ds, batch_size=BATCH, num_workers=workers, persistent_workers=True
+        dataset(work, adapter, settings),
+        batch_size=BATCH,
+        num_workers=workers,
+        persistent_workers=True,
     )
     before_fork()
     seconds, samples = 0.0, 0
     try:
         for index in range(STEADY_PASSES):
-            counts = [0, 0]
-
-            def go(counts: list[int] = counts) -> None:
-                for batch in loader:
-                    counts[0] += len(batch["sample_ids"])
-                    counts[1] += int(batch["cache_misses"])
-
-            took, _ = timed(go)
-            assert counts[0] == work.samples, f"a pass gave {counts[0]} samples"
+            took, given, _, misses = timed_pass(loader)
+            assert given == work.samples, f"a pass gave {given} samples"
             if index:  # the first pass starts the workers
-                assert counts[1] == len(work.clips), f"pass {index} processed {counts[1]} clips"
-                seconds, samples = seconds + took, samples + counts[0]
+                assert misses == len(work.clips), f"pass {index} processed {misses} clips"
+                seconds, samples = seconds + took, samples + given
     finally:
         loader.close()
     return samples / seconds, samples

@@ -385,8 +385,7 @@ OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": opera
 # as "<benchmark>.<path in its result>" or None, comparator, threshold, the figure's start-up).
 # fmt: off
 GOALS: list[Goal] = [
-    # Issue 43. The video goal is for the steady state, but the figure is one fresh loader's
-    # pass (start-up in): a "yes" shows the goal holds, a "NO" does not show that it fails.
+    # Issue 43. Video in the steady state: persistent workers' later passes.
     Goal(43, "video loader / decode+process limit, distinct clips (steady state)",
          "video.distinct.steady_over_limit", ">=", 0.9, EXCLUDED),
     Goal(43, "video loader / decode+process limit, GRPO-4 with distinct_images (steady)",

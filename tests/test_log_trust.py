@@ -76,19 +76,29 @@ def readers(store: mmstore.Store, processor):
     }
 
 
-def follow(store: mmstore.Store, processor) -> list[str]:
-    """A live loader from the start of the log: the samples of every step until none comes
-    within a second (its error, if the log holds what it must refuse)."""
+def live_loader(store: mmstore.Store, processor, batch_size: int = 1) -> mmstore.LiveLoader:
+    """A live loader of run r1 from the start of the log."""
     settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0)
+    return mmstore.LiveLoader(
+        store, processor, runs="r1", batch_size=batch_size, materialize=settings
+    )
+
+
+def drain(live: mmstore.LiveLoader) -> list[str]:
+    """The samples of every step until none comes within a second."""
     trained: list[str] = []
-    with mmstore.LiveLoader(
-        store, processor, runs="r1", batch_size=1, materialize=settings
-    ) as live:
-        while True:
-            try:
-                trained += [s for b in live.next_step(timeout=1) for s in b["sample_ids"]]
-            except mmstore.LiveTimeoutError:
-                return trained
+    while True:
+        try:
+            trained += [s for b in live.next_step(timeout=1) for s in b["sample_ids"]]
+        except mmstore.LiveTimeoutError:
+            return trained
+
+
+def follow(store: mmstore.Store, processor) -> list[str]:
+    """A live loader's samples from the start of the log (its error, if the log holds what
+    it must refuse)."""
+    with live_loader(store, processor) as live:
+        return drain(live)
 
 
 # -- 4: deletion vectors -------------------------------------------------------------------
@@ -284,31 +294,18 @@ def test_a_live_loader_trains_each_row_once_across_a_compaction(store, small_pro
         with store.writer(run_id="r1", step=step) as w:
             w.write_many(mmstore.Rollout(sample_id=f"c{c}-{i}", **TOKENS) for i in range(2))
 
-    def live() -> mmstore.LiveLoader:
-        settings = mmstore.Materialize(dtype="float32", node_cache_bytes=0)
-        return mmstore.LiveLoader(store, small_processor, runs="r1", batch_size=2,
-                                  materialize=settings)  # fmt: skip
-
-    def drain(loader: mmstore.LiveLoader) -> list[str]:
-        trained = []
-        while True:
-            try:
-                trained += [s for b in loader.next_step(timeout=0.5) for s in b["sample_ids"]]
-            except mmstore.LiveTimeoutError:
-                return trained
-
     from deltalake import DeltaTable
 
     for c in range(3):
         commit(c)
     every = [f"c{c}-{i}" for c in range(4) for i in range(2)]
-    with live() as running:
+    with live_loader(store, small_processor, batch_size=2) as running:
         first = [s for b in running.next_step(timeout=5) for s in b["sample_ids"]]
         DeltaTable(store.table.uri).optimize.compact()
         assert store.table.entries_after(3)[0].operation == "OPTIMIZE"
         commit(3, step=1)
         assert first + drain(running) == every
-    with live() as fresh:
+    with live_loader(store, small_processor, batch_size=2) as fresh:
         assert drain(fresh) == every
 
 
