@@ -7,6 +7,7 @@ media are tests/test_video_contract.py's; the timestamped families, test_video_t
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoP
 
 import mmstore
 from mmstore import synth
+from mmstore._loading import buffers as _buffers
 from mmstore.integrations import vllm
 from tests.families_common import word_level_tokenizer
 from tests.family_cases import QWEN_VL, QWEN_VL_PUBLISHED, WORDS, token_ids
@@ -333,3 +335,25 @@ def test_glm_batches_holding_images_and_videos_are_refused_naming_their_samples(
         assert "img" in str(err.value) and "vid" in str(err.value)
     apart = list(mmstore.RolloutLoader(dataset, batch_size=1))
     assert [b["sample_ids"] for b in apart] == [["img"], ["vid"]]
+
+
+def test_video_batches_from_workers_reuse_the_shared_memory_of_dropped_ones(store, processor):
+    """A worker concatenates a batch's clips straight into a shared buffer the trainer has
+    let go of (as images): no second copy into fresh shared memory when it sends them."""
+    clips = [
+        store.put_video(synth.screen_recording(10 + i, num_frames=24, width=112, height=112))
+        for i in range(4)
+    ]
+    write_rows(store, processor, [(VIDEO_TEXT, {"videos": [c], "fps": 4.0}) for c in clips] * 4)
+    settings = mmstore.Materialize(dtype=torch.float32, node_cache_bytes=0, cache_bytes=0)
+    dataset = mmstore.RolloutDataset(store, processor, seed=0, materialize=settings)
+    alone = [b["pixel_values_videos"].clone() for b in mmstore.RolloutLoader(dataset, batch_size=2)]
+    assert all(t.numel() * t.element_size() >= _buffers.MIN_BYTES for t in alone)
+    files = []
+    for i, batch in enumerate(mmstore.RolloutLoader(dataset, batch_size=2, num_workers=2)):
+        pixels = batch["pixel_values_videos"]
+        assert torch.equal(pixels, alone[i])
+        fd, _ = pixels.untyped_storage()._share_fd_cpu_()
+        files.append(os.fstat(fd).st_ino)
+        del batch, pixels  # the trainer is done with it
+    assert len(files) == 8 and len(set(files)) < len(files)
