@@ -5,12 +5,13 @@ As a script:
 
 - ``python tests/live_workers.py produce ROOT PLAN``: commit the plan's commits (JSON, see
   :func:`commit_plan`), sleeping its delays, each commit exactly once per (producer, seq).
-- ``python tests/live_workers.py kills ROOT OUT STEPS SEED``: a parent that imports mmstore
-  once, then forks consumers one after another (a fork costs milliseconds, an import
-  seconds). Each resumes from ``OUT`` (its last checkpoint: the loader state and the
+- ``python tests/live_workers.py kills ROOT OUT STEPS SEED [OPTIONS]``: a parent that
+  imports mmstore once, then forks consumers one after another (a fork costs milliseconds,
+  an import seconds). Each resumes from ``OUT`` (its last checkpoint: the loader state and the
   history of what it trained, written together atomically, as a trainer saves model and
   loader together) and SIGKILLs itself at a random point of a random later step, until one
-  finishes ``STEPS`` steps. Prints the number of kills.
+  finishes ``STEPS`` steps. Prints the number of kills. ``OPTIONS``: JSON, the live
+  loader's options (``{"done_column": "done"}``).
 """
 
 from __future__ import annotations
@@ -41,21 +42,36 @@ def processor() -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(max_pixels=SMALL_MAX_PIXELS)
 
 
-def commit_plan(seed: int, commits: int, *, other_every: int = 4) -> list[dict[str, Any]]:
+def commit_plan(
+    seed: int, commits: int, *, other_every: int = 4, agents: bool = False
+) -> list[dict[str, Any]]:
     """Commits of groups of 1-3 samples (a few with one shared image), policy versions that
     grow by one every 2 commits, delays of 0-40 ms; every ``other_every``-th commit goes to
-    a run nobody follows."""
+    a run nobody follows. With ``agents``, the followed run's commits also carry turns of
+    agents of 2-4 turns (up to two at once, a screenshot each turn), each turn continuing
+    the one before and saying ``done`` on the last: trajectories over several commits."""
     rng = random.Random(seed)
     plan = []
+    active: dict[str, int] = {}  # agent -> turns left
     for c in range(commits):
         groups = [
             {"size": rng.randint(1, 3), "image": rng.random() < 0.4}
             for _ in range(rng.randint(1, 3))
         ]
         run = "other" if other_every and c % other_every == other_every - 1 else RUN
+        turns = []
+        if agents and run == RUN:
+            if len(active) < 2 and rng.random() < 0.5:
+                active[f"a{c}"] = rng.randint(2, 4)
+            for agent in [a for a in active if rng.random() < 0.7]:
+                active[agent] -= 1
+                turns.append({"agent": agent, "done": active[agent] == 0})
+                if not active[agent]:
+                    del active[agent]
         plan.append(
-            {"run": run, "seq": c, "policy": c // 2, "groups": groups, "delay": rng.random() * 0.04}
-        )
+            {"run": run, "seq": c, "policy": c // 2, "groups": groups, "delay": rng.random() * 0.04,
+             "turns": turns, "done_column": agents}
+        )  # fmt: skip
     return plan
 
 
@@ -69,9 +85,29 @@ def commit_rows(store: mmstore.Store, adapter: Any, commit: dict[str, Any]) -> l
         for k in range(group["size"]):
             row = make_row(adapter, media, f"c{commit['seq']}-g{g}-{k}", group_id=f"g{g}")
             rows.append(mmstore.Rollout(**{**row.model_dump(), "policy_version": commit["policy"]}))
-    with store.writer(commit["run"], commit["seq"], producer="sampler", seq=commit["seq"]) as w:
+    rows += [_agent_turn(store, adapter, t["agent"], t["done"]) for t in commit.get("turns", [])]
+    columns = {"done": mmstore.per_sample("bool")} if commit.get("done_column") else None
+    if columns:
+        rows = [r.model_copy(update={"columns": {"done": True, **r.columns}}) for r in rows]
+    with store.writer(
+        commit["run"], commit["seq"], producer="sampler", seq=commit["seq"], columns=columns
+    ) as w:
         w.write_many(rows)
     return [r.sample_id for r in rows]
+
+
+def _agent_turn(store: mmstore.Store, adapter: Any, agent: str, done: bool) -> mmstore.Rollout:
+    """The agent's next turn (``<agent>-t<k>``), continuing its turn before (found in the
+    run: the producer keeps no state across restarts)."""
+    turns = sorted(
+        (r for r in store.rollouts(RUN) if r.group_id == agent),
+        key=lambda r: int(r.sample_id.rsplit("-t", 1)[1]),
+    )
+    k = len(turns)
+    shot = store.put_media(image_bytes(10 * sum(map(ord, agent)) + k, 96, 64), ext="png")
+    row = make_row(adapter, [shot], f"{agent}-t{k}", group_id=agent)
+    link = {"parent_id": turns[-1].sample_id, "prefix_len": len(turns[-1].tokens)} if k else {}
+    return row.model_copy(update={**link, "columns": {"done": done}})
 
 
 def produce(root: str, plan: list[dict[str, Any]]) -> None:
@@ -121,7 +157,9 @@ def _save(out: str, state: dict[str, Any], history: list[Any]) -> None:
     os.replace(tmp, out)
 
 
-def consume(root: str, out: str, steps: int, die: tuple[int, str], workers: int) -> None:
+def consume(
+    root: str, out: str, steps: int, die: tuple[int, str], workers: int, **options: Any
+) -> None:
     """Train until ``steps``, checkpointing after each step; SIGKILL at ``die`` = (step,
     point): ``mid`` (after the step's first micro-batch), ``save`` (the step done, before its
     checkpoint) or ``saved`` (just after it)."""
@@ -130,7 +168,7 @@ def consume(root: str, out: str, steps: int, die: tuple[int, str], workers: int)
         with open(out) as f:
             saved = json.load(f)
     store = mmstore.Store.open(root)
-    live = live_loader(store, num_workers=workers)
+    live = live_loader(store, num_workers=workers, **options)
     if saved["state"] is not None:
         live.load_state_dict(saved["state"])
     history = list(saved["history"])
@@ -147,8 +185,9 @@ def consume(root: str, out: str, steps: int, die: tuple[int, str], workers: int)
     live.close()
 
 
-def kills(root: str, out: str, steps: int, seed: int) -> int:
-    """Fork consumers until one finishes; each dies at a random point ahead. The kills."""
+def kills(root: str, out: str, steps: int, seed: int, **options: Any) -> int:
+    """Fork consumers until one finishes; each dies at a random point ahead. The kills.
+    ``options``: the consumers' live loader options."""
     rng = random.Random(seed)
     killed = 0
     while True:
@@ -165,7 +204,7 @@ def kills(root: str, out: str, steps: int, seed: int) -> int:
         def consumer(die: tuple[int, str] = die, workers: int = workers) -> None:
             # A consumer that hangs says where, and ends, instead of hanging the test.
             faulthandler.dump_traceback_later(120, exit=True)
-            consume(root, out, steps, die, workers)
+            consume(root, out, steps, die, workers, **options)
 
         pid = fork_child(consumer)
         _, status = os.waitpid(pid, 0)
@@ -181,6 +220,7 @@ if __name__ == "__main__":
         with open(sys.argv[3]) as plan:
             produce(sys.argv[2], json.load(plan))
     elif command == "kills":
-        print(kills(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+        options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+        print(kills(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), **options))
     else:
         raise SystemExit(f"unknown command {command!r}")

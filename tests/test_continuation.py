@@ -154,6 +154,37 @@ def test_an_agent_commits_each_turn_continuing_the_last(tmp_path):
     assert batch["input_ids"].shape[1] == len(previous.tokens)  # the last turn holds them all
 
 
+def test_a_kept_leaf_keeps_what_it_continues_through_release_and_gc(tmp_path):
+    """Only the last turn's step is pinned; the run is released (forced) and collected with
+    no grace: the leaf, at the pinned version, still reads whole and loads, the earlier
+    turns' screenshots included (a continuation is stored whole: it needs no parent)."""
+    adapter = mmstore.adapter_for(processor())
+    store = mmstore.Store.open(tmp_path / "s", create=True)
+    rng = random.Random(5)
+    previous = None
+    for turn in range(3):
+        own = _segment(adapter, rng, [store.put_media(image_bytes(40 + turn), "png")])
+        own.pop("columns")
+        extra = {}
+        if previous is not None:
+            extra = {"parent_id": previous.sample_id, "prefix_len": len(previous.tokens)}
+        with store.writer("r", turn, adapter=adapter) as writer:
+            writer.write(mmstore.Rollout(sample_id=f"turn{turn}", **own, **extra))
+        (previous,) = store.rollouts("r", sample_ids=f"turn{turn}")
+    version = writer.version
+    mmstore.pin_rows(store, "leaf", runs="r", steps=[2])
+    released = mmstore.release_run(store, "r", grace_seconds=0, force=True)
+    mmstore.gc(store, grace_seconds=0)
+    gone = [p for p in released.removed_files if store.backend.stat(p) is None]
+    assert len(released.removed_files) == 3 and len(gone) == 2  # the unpinned turns' files
+    (leaf,) = store.rollouts("r", step=2, version=version)
+    assert leaf == previous and len(leaf.images) == 3
+    ds = mmstore.RolloutDataset(store, processor(), runs=["r"], steps=[2], version=version)
+    (batch,) = list(mmstore.RolloutLoader(ds, batch_size=1))
+    assert batch["input_ids"][0].tolist() == leaf.tokens
+    assert batch["image_grid_thw"].shape[0] == 3 and not batch["images_missing"]
+
+
 @pytest.fixture
 def parent(tmp_path):
     adapter = mmstore.adapter_for(processor())

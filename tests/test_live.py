@@ -395,14 +395,18 @@ def test_consumer_follows_a_producer_process_exactly_once_in_commit_order(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("agents", [False, True], ids=["groups", "agents"])
 def test_sigkill_of_the_consumer_at_random_points_loses_and_repeats_nothing(
-    tmp_path, small_processor
+    tmp_path, small_processor, agents
 ):
+    """With ``agents``, trajectories are committed turn by turn among the groups and
+    trained whole (``done_column``): the cursor waits at held ones while later groups go."""
     root = tmp_path / "s"
     store = mmstore.Store.open(root, create=True)
-    producer = _producer(tmp_path, root, commit_plan(11, 40))
+    producer = _producer(tmp_path, root, commit_plan(11, 40, agents=agents))
     out = tmp_path / "ckpt.json"
     steps = 16
+    options = {"done_column": "done"} if agents else {}
     killed = subprocess.run(
         [
             sys.executable,
@@ -412,6 +416,7 @@ def test_sigkill_of_the_consumer_at_random_points_loses_and_repeats_nothing(
             str(out),
             str(steps),
             "5",
+            json.dumps(options),
         ],
         capture_output=True,
         text=True,
@@ -422,10 +427,21 @@ def test_sigkill_of_the_consumer_at_random_points_loses_and_repeats_nothing(
     assert int(killed.stdout.split()[-1]) >= 20
     history = json.loads(out.read_text())["history"]
     # An uninterrupted consumer of the same log, in this process:
-    expected = train(live_loader(store), steps)
+    expected = train(live_loader(store, **options), steps)
     # What the checkpoints kept: every step once, each micro-batch as an uninterrupted
     # consumer built it (micro-batches of a step killed before its checkpoint are redone).
     assert history == expected
+    if agents:  # each trajectory in one step, all its turns
+        step_of: dict[str, set[int]] = {}
+        for step, _, _, ids, _ in history:
+            for sample_id in ids:
+                if "-t" in sample_id:
+                    step_of.setdefault(sample_id.rsplit("-t", 1)[0], set()).add(step)
+        assert step_of and all(len(s) == 1 for s in step_of.values())
+        turns = [r.sample_id for r in store.rollouts(RUN) if "-t" in r.sample_id]
+        trained = {s for *_, ids, _ in history for s in ids}
+        finished = {s.rsplit("-t", 1)[0] for s in turns if s in trained}
+        assert {s for s in turns if s.rsplit("-t", 1)[0] in finished} <= trained
 
 
 def _rank_main(rank: int, world: int, port: int, root: str, out: str) -> None:

@@ -102,6 +102,8 @@ def test_every_block_runs_as_printed(tmp_path, monkeypatch, capsys):
     assert "True" in out  # verify().ok
     assert "[('0042', 7, 'INTEGER')]" in out  # the DuckDB recipe keeps run ids strings
     assert "video 24 12.0 640 400" in out  # docs/video.md: put_video read the clip's facts
+    # docs/live.md: a trajectory held until its last turn, then one forest of its turns
+    assert "False 1\n['t0', 't1', 't2'] True" in out
     if skipped:  # said, not hidden: the run passes on a machine without a GPU
         warnings.warn(f"GPU blocks not run (no CUDA here): {skipped}", stacklevel=1)
 

@@ -5,7 +5,9 @@ Definitions (the live loader's contract):
 
 - **Groups.** The rows a commit added are cut into groups: runs of rows of one ``group_id``
   in a file (a null ``group_id`` is a group of one). Groups wait in commit order (table
-  version, then file order within the commit, then row order).
+  version, then file order within the commit, then row order). (With the loader's
+  ``done_column``, a trajectory's runs over several commits are one group, waiting from
+  the commit that ends it.)
 - **Stale.** With a bound, a group whose policy version (the oldest of its rows'; unknown
   when none of them records one) is below ``oldest`` is stale: it is consumed by the step
   that meets it, never trained. Unknown versions are never stale.

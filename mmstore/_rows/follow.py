@@ -21,15 +21,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mmstore._format.columns import footer_columns, per_sample
 from mmstore._format.paths import check_partition
 from mmstore._format.schema import META_FINAL
-from mmstore._rows.files import check_run_id
+from mmstore._rows.files import check_run_id, where_of_file
 from mmstore._rows.lengths import FileFacts, read_file_facts
 from mmstore._rows.snapshot import WorkUnit, file_units
 from mmstore._rows.table import LogEntry, TableFile
 from mmstore._rows.versions import table_of
 from mmstore._storage.store import Storage
-from mmstore.errors import InvalidArgumentError
+from mmstore.errors import InvalidArgumentError, InvalidRolloutError
 
 # Per-row columns a follower reads beside the planning facts.
 FOLLOWED_COLUMNS = ("sample_id", "group_id", "policy_version", "loss_mask")
@@ -92,6 +93,14 @@ class FollowedFile:
         cuts = firsts + np.minimum(lengths, self.facts.lengths[start:stop])
         return int((prefix[cuts] - prefix[firsts]).sum())
 
+    def open_rows(self, done_column: str) -> np.ndarray:
+        """bool [rows]: rows whose ``done_column`` says False (more of their trajectory is
+        to come); a null or a file without the column is done."""
+        column = self.facts.columns.get(done_column)
+        if column is None or pa.types.is_null(column.type):
+            return np.zeros(len(self.facts.lengths), dtype=bool)
+        return pc.equal(column, False).fill_null(False).to_numpy(zero_copy_only=False)
+
     def policy_versions(self, unknown: int) -> np.ndarray:
         """Each row's policy version, ``unknown`` where none is recorded."""
         column = self.facts.columns["policy_version"]
@@ -132,6 +141,7 @@ class LogFollower:
         start: Cursor,
         max_len: int | None,
         prefixes: bool = False,
+        done_column: str | None = None,
     ) -> None:
         runs = [runs] if isinstance(runs, str) else list(runs)
         if not runs:
@@ -142,6 +152,7 @@ class LogFollower:
         self.runs = frozenset(runs)
         self.max_len = max_len
         self.prefixes = prefixes  # read what each row shares with the one before it
+        self.done_column = done_column  # a per-sample bool column read beside the facts
         self.start = start
         # The last version whose entry has been read (its files handed over).
         self.version = start.version - 1
@@ -242,17 +253,33 @@ class LogFollower:
                 if index == self.start.index:
                     first_row = self.start.row
             check_run_id(file)  # its path must name the run the log says
+            extra = (self.done_column,) if self.done_column else ()
             facts = read_file_facts(
                 self.store,
                 file.path,
                 self.max_len,
-                FOLLOWED_COLUMNS,
+                FOLLOWED_COLUMNS + extra,
                 layouts=True,
                 prefixes=self.prefixes,
             )
+            if self.done_column:
+                _check_done_column(facts, self.done_column, file.path)
             units = tuple(file_units(self.store, file.path, facts.meta))
             files.append(FollowedFile(entry.version, index, file, units, facts, first_row))
         return files
+
+
+def _check_done_column(facts: FileFacts, name: str, path: str) -> None:
+    """A file that declares ``name`` must declare it ``per_sample("bool")``: a live loader
+    holds a trajectory's rows while it says False."""
+    declared = footer_columns(facts.meta.metadata, where=where_of_file(path)).get(name)
+    if declared is not None and declared != per_sample("bool"):
+        raise InvalidRolloutError(
+            f"column {name!r} (the live loader's done_column) is declared {declared.per} "
+            f"{declared.dtype}{list(declared.shape) or ''}; a done column is "
+            "mmstore.per_sample('bool')",
+            file=path,
+        )
 
 
 def _deleted(entry: LogEntry) -> frozenset[str]:

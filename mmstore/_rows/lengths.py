@@ -93,6 +93,63 @@ class FileFacts:
     layouts: frozenset[str] | None = None
     video_layouts: frozenset[str] | None = None
     shared: np.ndarray | None = None  # int64 [rows], with ``prefixes``: see RowMeta
+    #: with ``prefixes``: what decides the prefix a row shares with any other row (the
+    #: live loader compares rows of one trajectory committed in different files)
+    prefix_keys: PrefixKeys | None = None
+
+
+@dataclass(frozen=True)
+class PrefixKeys:
+    """What decides how many leading tokens two rows share: each row's first ``lengths``
+    tokens, its image spans (offset, length, hash) and its first video's offset."""
+
+    token_values: np.ndarray  # every row's tokens, end to end
+    token_starts: np.ndarray  # int64 [rows + 1]: where each row's tokens start in them
+    images: pa.ListArray
+    first_video: np.ndarray  # int64 [rows], int64 max where a row has no video
+    lengths: np.ndarray  # int64 [rows], tokens the loader hands over (after max_len)
+
+    @classmethod
+    def of(
+        cls,
+        tokens: pa.ChunkedArray,
+        images: pa.ListArray,
+        videos: pa.ChunkedArray | None,
+        lengths: np.ndarray,
+    ) -> PrefixKeys:
+        listed = tokens.combine_chunks()
+        return cls(
+            listed.values.to_numpy(),
+            listed.offsets.to_numpy().astype(np.int64),
+            images,
+            _first_offsets(videos, len(lengths)),
+            lengths,
+        )
+
+    def row(self, i: int) -> tuple[np.ndarray, set[tuple[int, int, str]], int]:
+        """Row ``i``'s tokens, image spans and first video offset."""
+        start = int(self.token_starts[i])
+        tokens = self.token_values[start : start + int(self.lengths[i])]
+        return tokens, _spans(self.images[i]), int(self.first_video[i])
+
+
+def shared_between(a: PrefixKeys, i: int, b: PrefixKeys, j: int) -> int:
+    """The leading tokens row ``i`` of ``a`` and row ``j`` of ``b`` share."""
+    return _common(a.row(i), b.row(j))
+
+
+def _common(
+    a: tuple[np.ndarray, set[tuple[int, int, str]], int],
+    b: tuple[np.ndarray, set[tuple[int, int, str]], int],
+) -> int:
+    """Equal leading tokens, cut where an image span of either differs from the other's and
+    at either's first video (a video's tokens are never shared)."""
+    (a_tokens, a_spans, a_video), (b_tokens, b_spans, b_video) = a, b
+    n = min(len(a_tokens), len(b_tokens), a_video, b_video)
+    differ = np.flatnonzero(a_tokens[:n] != b_tokens[:n])
+    common = int(differ[0]) if len(differ) else int(n)
+    unmatched = [o for o, _, _ in a_spans ^ b_spans if o < common]
+    return min([common, *unmatched])
 
 
 def read_file_facts(
@@ -141,18 +198,19 @@ def read_file_facts(
         if name in table.column_names:
             extra[name] = table.column(name)
         else:
-            extra[name] = pa.chunked_array(
-                [pa.nulls(meta.num_rows, ROLLOUT_SCHEMA.field(name).type)]
-            )
+            # (a declared column the file lacks has no type here: all nulls)
+            kind = ROLLOUT_SCHEMA.field(name).type if name in ROLLOUT_SCHEMA.names else pa.null()
+            extra[name] = pa.chunked_array([pa.nulls(meta.num_rows, kind)])
     image_layouts = video_layouts = None
     if layouts:
         image_layouts = _layouts(table, "images")
         video_layouts = _layouts(table, "videos") if video_leaf is not None else frozenset()
     block_start = _block_starts(table.column("group_id"))
-    shared = None
+    shared = keys = None
     if prefixes:
         videos = table.column("videos") if "videos" in table.column_names else None
-        shared = shared_prefixes(table.column("tokens"), refs, videos, lengths, block_start)
+        keys = PrefixKeys.of(table.column("tokens"), refs, videos, lengths)
+        shared = shared_prefixes(keys, block_start)
     return FileFacts(
         meta,
         row_starts,
@@ -163,37 +221,20 @@ def read_file_facts(
         layouts=image_layouts,
         video_layouts=video_layouts,
         shared=shared,
+        prefix_keys=keys,
     )
 
 
-def shared_prefixes(
-    tokens: pa.ChunkedArray,
-    images: pa.ListArray,
-    videos: pa.ChunkedArray | None,
-    lengths: np.ndarray,
-    block_start: np.ndarray,
-) -> np.ndarray:
-    """For each row, how many leading tokens (of its first ``lengths``) it shares with the
-    row before it when both are in one block: equal tokens, cut where an image span of
-    either differs from the other's (offset, length, hash) and at either's first video (a
-    video's tokens are never shared). 0 where a block starts."""
-    listed = tokens.combine_chunks()
-    starts = listed.offsets.to_numpy()
-    values = listed.values.to_numpy()
-    spans: dict[int, set[tuple[int, int, str]]] = {}  # of the rows compared only
-    first_video = _first_offsets(videos, len(lengths))
-    shared = np.zeros(len(lengths), dtype=np.int64)
+def shared_prefixes(keys: PrefixKeys, block_start: np.ndarray) -> np.ndarray:
+    """For each row, how many leading tokens it shares with the row before it when both are
+    in one block (:func:`shared_between`); 0 where a block starts."""
+    shared = np.zeros(len(keys.lengths), dtype=np.int64)
+    before: tuple[int, tuple[np.ndarray, set[tuple[int, int, str]], int]] | None = None
     for i in map(int, np.flatnonzero(~block_start)):
-        a = values[starts[i] : starts[i] + lengths[i]]
-        b = values[starts[i - 1] : starts[i - 1] + lengths[i - 1]]
-        n = min(len(a), len(b), first_video[i], first_video[i - 1])
-        differ = np.flatnonzero(a[:n] != b[:n])
-        common = int(differ[0]) if len(differ) else int(n)
-        for row in (i - 1, i):
-            if row not in spans:
-                spans[row] = _spans(images[row])
-        unmatched = [o for o, _, _ in spans[i] ^ spans[i - 1] if o < common]
-        shared[i] = min([common, *unmatched])
+        previous = before[1] if before is not None and before[0] == i - 1 else keys.row(i - 1)
+        current = keys.row(i)
+        shared[i] = _common(current, previous)
+        before = (i, current)
     return shared
 
 
