@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
 from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
 from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
@@ -19,6 +22,7 @@ from transformers.models.pixtral.image_processing_pixtral import PixtralImagePro
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 import mmstore
+from mmstore import _tensors as tensors
 from mmstore._families import takes_tensors
 from mmstore._format.media import decode_rgb_tensor, encode_image
 from mmstore._tensors import cast_floats
@@ -110,3 +114,64 @@ def test_later_changes_to_the_processor_count() -> None:
     processor.pan_and_scan_min_ratio_to_activate = 1.2
     with pytest.raises(mmstore.LayoutMismatchError, match="pan-and-scan"):
         adapter.process([image], torch.bfloat16)
+
+
+# -- the normalization in blocks -------------------------------------------------------------
+
+shapes = st.tuples(
+    st.integers(1, 3), st.integers(1, 4), st.integers(1, 9), st.integers(1, 700)
+)  # (images, channels, height, width): rows of up to 700 values, blocks cut anywhere
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, layout=st.sampled_from(["contiguous", "channels_last", "5-d"]),
+       source=st.sampled_from([torch.uint8, torch.float32]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       block=st.sampled_from([1, 7, 64, 1 << 18]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_normalizing_in_blocks_gives_torchvisions_bits(
+    shape: tuple[int, int, int, int], layout: str, source: torch.dtype, dtype: torch.dtype,
+    block: int, seed: int,
+) -> None:  # fmt: skip
+    """Any layout a processor hands over (decoded frames are channels last), any block size:
+    the bits of transformers' own rescale_and_normalize, then the cast."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(source)
+    if layout == "channels_last":
+        images = images.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    elif layout == "5-d":
+        images = images.unsqueeze(0)
+    processor = Qwen2VLImageProcessor()
+    mean = (0.48145466, 0.4578275, 0.40821073, 0.5)[: shape[1]]
+    std = (0.26862954, 0.26130258, 0.27577711, 0.25)[: shape[1]]
+    want = processor.rescale_and_normalize(images.clone(), True, 1 / 255, True, mean, std)
+    fused_mean, fused_std, _ = processor._fuse_mean_std_and_rescale_factor(
+        do_normalize=True, image_mean=mean, image_std=std, do_rescale=True,
+        rescale_factor=1 / 255, device=images.device,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tensors, "BLOCK_ELEMENTS", block)
+        got = tensors.normalize_in_blocks(images, fused_mean, fused_std, dtype)
+    assert got is not None and got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
+
+
+def test_a_video_processor_normalizes_in_blocks_and_gives_the_same_bits(
+    monkeypatch: Any,
+) -> None:
+    """Decoded frames (channels last) through Qwen2-VL's video processor with the cast
+    inside: the blocks run, and the output is the processor's own, cast."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    calls: list[tuple[int, ...]] = []
+    blocks = tensors.normalize_in_blocks
+    monkeypatch.setattr(
+        tensors, "normalize_in_blocks", lambda i, *a: calls.append(tuple(i.shape)) or blocks(i, *a)
+    )
+    processor = Qwen2VLVideoProcessor(min_pixels=8 * 28 * 28, max_pixels=32 * 28 * 28)
+    frames = torch.from_numpy(np.stack([noise(90, 62, seed=k) for k in range(4)]))
+    video = frames.permute(0, 3, 1, 2)  # [T, C, H, W] over channels-last memory
+    kwargs = {"return_tensors": "pt", "do_sample_frames": False}
+    want = processor(videos=[video], **kwargs)["pixel_values_videos"].to(torch.bfloat16)
+    casting = tensors.casting_after_normalize(processor, torch.bfloat16)
+    got = casting(videos=[video], **kwargs)["pixel_values_videos"]
+    assert calls and got.dtype == torch.bfloat16 and torch.equal(got, want)
