@@ -348,6 +348,8 @@ SUITE: dict[str, tuple[str, list[Row]]] = {
     ),
     "forest": ("benchmarks.bench_forest", []),
     "columns": ("benchmarks.bench_columns", []),
+    # The processor a worker runs: mmstore's cast inside against the processor, then the cast.
+    "process": ("benchmarks.bench_process", []),
     # A GRPO group sharing a clip per commit: the live loader's step start against decoding
     # and processing that clip once (start-up excluded: steps after the warm ones).
     "live_video": (
