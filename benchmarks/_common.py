@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -114,12 +116,35 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def cli(run: Callable[..., dict[str, Any]], doc: str | None, reps: int = 3) -> dict[str, Any]:
-    """``python -m benchmarks.NAME [--scale S] [--reps N]``: run and print the JSON."""
+def cli(
+    run: Callable[..., dict[str, Any]],
+    doc: str | None,
+    reps: int = 3,
+    *,
+    table: Callable[[dict[str, Any]], str] | None = None,
+    name: str = "",
+) -> dict[str, Any]:
+    """``python -m benchmarks.NAME [--scale S] [--reps N]``: run and print the JSON.
+
+    With ``table``: ``[--out DIR]`` too; the result goes to ``DIR/<name>.json`` and its
+    table to ``DIR/<name>.md`` (default: a scratch folder, never ``benchmarks/results/``),
+    and the table is printed instead of the JSON."""
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=reps)
+    if table is not None:
+        parser.add_argument("--out", default=None, help=f"folder for {name}.json/.md (scratch)")
     args = parser.parse_args()
     result = run(args.scale, args.reps)
-    print(json.dumps(result, indent=2))
+    if table is None:
+        print(json.dumps(result, indent=2))
+        return result
+    out = args.out or tempfile.mkdtemp(prefix=f"mmstore-bench-{name}-")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table(result) + "\n")
+    print(table(result))
+    print(f"written to {out}")
     return result

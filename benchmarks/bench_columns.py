@@ -57,8 +57,6 @@ Directions: ``unasked_over_plain`` 1 = unasked columns cost nothing (higher is w
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import queue
@@ -76,7 +74,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 import mmstore
-from benchmarks._common import paired_ratio, processor
+from benchmarks._common import cli, paired_ratio, processor
 from benchmarks.bench_write import _refs, _text
 from mmstore._format.media import content_hash, encode_image, media_path
 from mmstore._rows.writer import parquet_options
@@ -579,22 +577,5 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="folder for columns.json/.md (scratch)")
-    args = parser.parse_args()
-    out = args.out or tempfile.mkdtemp(prefix="mmstore-bench-columns-")
-    result = run(args.scale, args.reps)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "columns.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, "columns.md"), "w") as f:
-        f.write(table(result) + "\n")
-    print(table(result))
-    print(f"written to {out}")
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, table=table, name="columns")

@@ -21,11 +21,7 @@ mmstore better).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,9 +30,9 @@ import numpy as np
 import torch
 
 import mmstore
-from benchmarks._common import single_threaded
+from benchmarks._common import cli, single_threaded
 from mmstore._format.media import decode_rgb_tensor, encode_image
-from mmstore._tensors import casting_after_normalize
+from mmstore._tensors import cast_floats, casting_after_normalize
 from mmstore.synth import screenshot
 
 SIZES = [(640, 360), (1280, 720), (1920, 1080)]
@@ -72,11 +68,8 @@ def _compare(ours: Callable[[], Any], theirs: Callable[[], Any], calls: int) -> 
 
 
 def _cast(outputs: Any, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    out = {}
-    for key in keys:
-        value = torch.as_tensor(outputs[key])
-        out[key] = value.to(torch.bfloat16) if value.is_floating_point() else value
-    return out
+    """The model's tensors of a processor output, floats cast to bf16 afterwards."""
+    return cast_floats({key: outputs[key] for key in keys}, torch.bfloat16)
 
 
 def run(scale: float = 1.0, reps: int = 3) -> dict[str, Any]:
@@ -129,22 +122,5 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="folder for process.json/.md (scratch)")
-    args = parser.parse_args()
-    out = args.out or tempfile.mkdtemp(prefix="mmstore-bench-process-")
-    result = run(args.scale, args.reps)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "process.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, "process.md"), "w") as f:
-        f.write(table(result) + "\n")
-    print(table(result))
-    print(f"written to {out}")
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, table=table, name="process")

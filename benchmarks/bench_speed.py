@@ -42,9 +42,7 @@ the suite runs, not for quoting. Results go to ``--out`` (default: a scratch fol
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import multiprocessing
 import os
 import resource
@@ -62,7 +60,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 import mmstore
 from benchmarks import bench_write
-from benchmarks._common import WORKLOADS, interleaved, paired_ratio, single_threaded
+from benchmarks._common import WORKLOADS, cli, interleaved, paired_ratio, single_threaded
 from benchmarks.bench_loader import BATCH, NaiveDataset, _cat, build, loader_rate
 from mmstore._format.media import decode_rgb_tensor
 
@@ -521,22 +519,5 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="folder for speed.json/.md (scratch)")
-    args = parser.parse_args()
-    out = args.out or tempfile.mkdtemp(prefix="mmstore-bench-speed-")
-    result = run(args.scale, args.reps)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "speed.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, "speed.md"), "w") as f:
-        f.write(table(result) + "\n")
-    print(table(result))
-    print(f"written to {out}")
-
-
 if __name__ == "__main__":
-    main()
+    cli(run, __doc__, table=table, name="speed")

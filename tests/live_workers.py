@@ -99,8 +99,12 @@ def commit_rows(store: mmstore.Store, adapter: Any, commit: dict[str, Any]) -> l
 def _agent_turn(store: mmstore.Store, adapter: Any, agent: str, done: bool) -> mmstore.Rollout:
     """The agent's next turn (``<agent>-t<k>``), continuing its turn before (found in the
     run: the producer keeps no state across restarts)."""
+    try:
+        committed = store.rollouts(RUN)
+    except mmstore.NoMatchError:  # an agent that starts in the run's first commit
+        committed = []
     turns = sorted(
-        (r for r in store.rollouts(RUN) if r.group_id == agent),
+        (r for r in committed if r.group_id == agent),
         key=lambda r: int(r.sample_id.rsplit("-t", 1)[1]),
     )
     k = len(turns)
