@@ -13,21 +13,28 @@ XDIST   ?= -n 2 --dist loadgroup
 # `make demo` on a machine without .venv: a venv of the `torch` extra only (no dev tools).
 DEMO_VENV := .venv-demo
 
-.PHONY: venv test check lint demo bench clean
+.PHONY: venv lock test check lint demo bench clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the suite last passed with, so a package released since cannot
+# turn CI red (PyAV 18.1.1 once did); `make lock` rewrites it from .venv.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch + torchvision first and pinned (the versions the tests ran with; torchvision is
 	# the fast image-processor backend). pip takes them from its index: PyPI's are CUDA
 	# builds that also run on a CPU; a CPU-only machine saves 3 GB with
 	# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (README).
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# After upgrading a package in .venv and passing `make test` with it.
+lock:
+	{ sed -n '1,3p' constraints.txt; $(BIN)/pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 lint: $(STAMP)
 	$(BIN)/ruff check mmstore tests benchmarks scripts

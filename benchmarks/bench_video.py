@@ -194,14 +194,18 @@ def _cat(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def before_fork() -> None:
-    """Collect this process's garbage before DataLoader workers fork from it.
+    """Free this process's swscale converters before DataLoader workers fork from it.
 
     The naive path's frames (``load_video``'s PyAV decode) end up in reference cycles
-    holding a swscale context with slice threads; a forked worker that inherits them
-    uncollected hangs for good when its own GC frees one (``sws_freeContext`` joins threads
-    that do not exist in the child). Collected here, in the process whose threads they are,
-    they are freed safely. (mmstore's decoder converts on one thread: nothing to join.)
+    holding a swscale context with slice threads, and from PyAV 18.1.1 each thread keeps
+    the converter of its last ``frame.to_ndarray`` for good. A forked worker that inherits
+    one hangs for good when it uses or frees it (its slice threads do not exist in the
+    child). Dropped and collected here, in the process whose threads they are, they are
+    freed safely. (mmstore's decoder converts on one thread: nothing to join.)
     """
+    from av.video import frame
+
+    vars(frame._thread_local).pop("reformatter", None)  # PyAV >= 18.1.1's per-thread one
     gc.collect()
 
 

@@ -559,16 +559,21 @@ def _check_frame(frame: av.VideoFrame, width: int, height: int, where: str | Non
             "(the size changes mid-stream)",
             uri=where,
         )
-    sides: Any = frame.side_data  # PyAV's stub types it as one SideData; it is a mapping
-    for side in sides:
-        if side.type.name == "DISPLAYMATRIX":
-            matrix = np.frombuffer(bytes(side), dtype="<i4")
-            if not np.array_equal(matrix, _IDENTITY_MATRIX):
-                raise VideoDecodeError(
-                    f"video is turned {frame.rotation} degrees (or mirrored) by its display "
-                    "matrix; re-encode it upright",
-                    uri=where,
-                )
+    # A mapping from side-data type to side data (PyAV's stub types it as one SideData).
+    # Ask by type: iterating it gave the side data before PyAV 18.1.1 and the types after.
+    from av.sidedata.sidedata import Type
+
+    sides: Any = frame.side_data
+    side = sides.get(Type.DISPLAYMATRIX)
+    if side is None:
+        return
+    matrix = np.frombuffer(bytes(side), dtype="<i4")
+    if not np.array_equal(matrix, _IDENTITY_MATRIX):
+        raise VideoDecodeError(
+            f"video is turned {frame.rotation} degrees (or mirrored) by its display matrix; "
+            "re-encode it upright",
+            uri=where,
+        )
 
 
 def _reason(exc: BaseException) -> str:
