@@ -23,15 +23,22 @@ baseline time over mmstore time), measured in one run, interleaved, median with 
   and processes every image again: the later passes are the loader without its start-up,
   over the same limit; ``persistent_cached`` keeps the caches (the default), so later
   passes serve the images the workers kept (from the third pass: the cache keeps an image
-  it meets again). Every other loader figure here is one fresh loader's pass: start-up
-  included.
+  it meets again). The no-cache later passes are also reported over the strictest limit
+  (``persistent_later_over_cast_inside_limit``): the loader's own overhead, start-up out.
+  Every other loader figure here is one fresh loader's pass: start-up included.
 - ``grpo8.*``: GRPO groups of 8 sharing their image (128 groups at full scale), 2 simulated
   ranks running at once (a process each, 2 workers each, one node cache directory, fresh
   per repetition), over the limit of 2 workers (the machine's 2 cores); the node cache's
   miss count next to the number of distinct images. Side by side: the same loader with
   ``distinct_images=True`` (each image once per batch: the trainer expands on its GPU, or
   runs the vision tower once per image), and that loader with the batches expanded here on
-  the CPU (the cost where there is no GPU). Also over the limit at once (as above).
+  the CPU (the cost where there is no GPU). Also over the limit at once (as above). Each
+  figure is both ranks' fresh loaders' pass, start-up included; ``steady_*`` (issue 43) are
+  the plain and each-image-once loaders with persistent workers, ``PASSES`` passes a rank,
+  timed from both ranks' end of the first pass (a barrier) to the end of their last:
+  start-up excluded. Their node cache is off and each worker's cache has room for one
+  image (the one a batch's group shares), so every later pass processes each distinct
+  image again (checked).
 - ``write.plain_fsync_over_mmstore``: plain file writes with one fsync per file over mmstore
   writes of the same bytes (benchmarks/bench_write.py), time over time.
 
@@ -51,7 +58,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -259,6 +266,10 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
             figures,
             persistent_first_over_limit=("persistent_no_cache_first", "limit_torchvision"),
             persistent_later_over_limit=("persistent_no_cache", "limit_torchvision"),
+            persistent_later_over_cast_inside_limit=(
+                "persistent_no_cache",
+                "limit_torchvision_cast_inside",
+            ),
             persistent_later_over_first=("persistent_no_cache", "persistent_no_cache_first"),
             persistent_later_over_fresh_loader=("persistent_no_cache", "mmstore_torchvision"),
             persistent_cached_later_over_limit=("persistent_cached", "limit_torchvision"),
@@ -290,6 +301,9 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
 # distinct image once (what a trainer moves to its GPU and expands there, one concatenation
 # on the GPU), and those expanded here on the CPU (what it costs without a GPU).
 GRPO_MODES = ("plain", "distinct", "distinct_expanded_on_cpu")
+# And the first two with persistent workers, timed over their later passes (start-up excluded).
+STEADY_MODES = ("plain", "distinct")
+STEADY_TIMEOUT = 600  # seconds: a rank that died leaves the others a clear error, not a hang
 
 
 def _rank(
@@ -311,6 +325,37 @@ def _rank(
         tally["hits"] += b["node_cache_hits"]
         tally["misses"] += b["node_cache_misses"]
     results.put(tally)
+
+
+def _steady_rank(
+    store: mmstore.Store, proc: Any, rank: int, mode: str, cache_bytes: int, sync: Any
+) -> None:
+    """One simulated rank of 2 whose workers persist: ``PASSES`` passes of one loader; after
+    the first (start-up) it waits at ``sync`` (a barrier the parent times from) and puts the
+    later passes' images and images processed on ``sync.results``."""
+    torch.set_num_threads(1)  # as in _rank
+    settings = mmstore.Materialize(
+        node_cache_bytes=0, cache_bytes=cache_bytes, distinct_images=mode != "plain"
+    )
+    ds = mmstore.RolloutDataset(store, proc, seed=0, rank=rank, world_size=2, materialize=settings)
+    loader = mmstore.RolloutLoader(
+        ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True
+    )
+    tally = {"images": 0, "misses": 0}
+    for index in range(PASSES):
+        if index == 1:
+            sync.barrier.wait(timeout=STEADY_TIMEOUT)
+        for b in loader:
+            if index:
+                tally["images"] += len(b.get("image_index", b["image_grid_thw"]))
+                tally["misses"] += b["cache_misses"]
+    sync.results.put(tally)
+    loader.close()
+
+
+class _Sync(NamedTuple):
+    barrier: Any
+    results: Any
 
 
 def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
@@ -347,11 +392,45 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         images = sum(d["images"] for d in done)
         return images / seconds, images
 
+    distinct_images = len(_distinct_paths(paths))
+    # Steady: room in each worker's cache for the image a batch's group shares, not for a
+    # pass's images, and no node cache, so every later pass processes every image again
+    # (checked), as a fresh loader's pass does.
+    adapter = mmstore.adapter_for(proc)
+    image = adapter.process([_decoded_tensor(paths[0][0])], torch.bfloat16)
+    cache_bytes = int(1.5 * sum(t.numel() * t.element_size() for t in image.values()))
+
+    def steady(mode: str) -> tuple[float, int]:
+        """Both ranks' later passes with persistent workers (start-up excluded): samples/s."""
+        context = multiprocessing.get_context("fork")
+        sync = _Sync(context.Barrier(3), context.Queue())
+        ranks = [
+            context.Process(target=_steady_rank, args=(store, proc, rank, mode, cache_bytes, sync))
+            for rank in (0, 1)
+        ]
+        for process in ranks:
+            process.start()
+        sync.barrier.wait(timeout=STEADY_TIMEOUT)  # both ranks' first passes are done
+        start = time.perf_counter()
+        done = [sync.results.get(timeout=STEADY_TIMEOUT) for _ in ranks]
+        seconds = time.perf_counter() - start
+        for process in ranks:
+            process.join()
+        misses = sum(d["misses"] for d in done)
+        if misses != (PASSES - 1) * distinct_images:
+            raise RuntimeError(f"steady {mode}: {misses} images processed, expected "
+                               f"{PASSES - 1} passes x {distinct_images}")  # fmt: skip
+        processed[mode].append(misses)
+        images = sum(d["images"] for d in done)
+        return images / seconds, images
+
     runs: dict[str, Callable[[], tuple[float, int]]] = {
         "limit": lambda: _limit(paths, proc),
         "limit_at_once": lambda: _limit_at_once(paths, proc),
     }
     runs.update({mode: functools.partial(ours, mode) for mode in GRPO_MODES})
+    processed: dict[str, list[int]] = {mode: [] for mode in STEADY_MODES}
+    runs.update({f"{mode}_steady": functools.partial(steady, mode) for mode in STEADY_MODES})
     figures = interleaved(cpu.timing(runs), reps)
     return {
         "images_per_s": figures,
@@ -359,6 +438,8 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
             figures,
             over_limit=("plain", "limit"),
             distinct_over_limit=("distinct", "limit"),
+            steady_over_limit=("plain_steady", "limit"),
+            steady_distinct_over_limit=("distinct_steady", "limit"),
             distinct_expanded_on_cpu_over_limit=("distinct_expanded_on_cpu", "limit"),
             over_limit_at_once=("plain", "limit_at_once"),
             distinct_over_limit_at_once=("distinct", "limit_at_once"),
@@ -366,9 +447,11 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "cpu_seconds_per_image": {k: cpu.median(k) for k in cpu.runs},
         "cpu_limit_over_mmstore": cpu.median("limit") / cpu.median("plain"),
         "cpu_limit_over_distinct": cpu.median("limit") / cpu.median("distinct"),
-        "distinct_images": len(_distinct_paths(paths)),
+        "distinct_images": distinct_images,
         "images": sum(len(ps) for ps in paths),
         "node_cache_per_rep": counts,
+        # Steady: images the workers processed in the later passes (no node cache).
+        "steady_processed_per_rep": processed,
     }
 
 
@@ -463,8 +546,27 @@ def table(result: dict[str, Any]) -> str:
         ("loader PIL / limit PIL, distinct", d, "pil_over_limit", ""),
         ("loader PIL / naive PIL Dataset", d, "pil_over_naive_pil", ""),
         ("loader tv / loader PIL", d, "torchvision_over_pil", ""),
-        ("GRPO-8 2x2 loader / limit", g, "over_limit", ">= 6"),
+        (
+            "persistent workers, later passes, cache off / limit tv with TorchCodec decode, "
+            "bf16 cast inside (no start-up)",
+            d,
+            "persistent_later_over_cast_inside_limit",
+            ">= 0.9 (issue 43)",
+        ),
+        ("GRPO-8 2x2 loader / limit (start-up included)", g, "over_limit", ">= 6"),
         ("GRPO-8 2x2 loader, each image once / limit", g, "distinct_over_limit", ">= 6"),
+        (
+            "GRPO-8 2x2 persistent workers, later passes / limit (no start-up)",
+            g,
+            "steady_over_limit",
+            ">= 6 (issue 43)",
+        ),
+        (
+            "GRPO-8 2x2 persistent workers, each image once, later passes / limit (no start-up)",
+            g,
+            "steady_distinct_over_limit",
+            "",
+        ),
         (
             "GRPO-8 2x2 loader, each image once, expanded on the CPU / limit",
             g,
@@ -495,7 +597,7 @@ def table(result: dict[str, Any]) -> str:
         "Every figure: higher = mmstore better. Value: ratio of the two medians; paired: "
         "median (min-max) of the ratio within each repetition.",
         "",
-        "| figure | value | paired | issue 14 target |",
+        "| figure | value | paired | target (issue 14 unless named) |",
         "|---|---|---|---|",
         *(
             f"| {name} | {section[key]:.2f} | {paired(section, key)} | {target} |"
@@ -514,6 +616,11 @@ def table(result: dict[str, Any]) -> str:
         + "; ".join(
             f"{mode}: " + ", ".join(f"({c['hits']}, {c['misses']})" for c in per_rep)
             for mode, per_rep in g["node_cache_per_rep"].items()
+        )
+        + f". Persistent workers, images processed in the {PASSES - 1} later passes, per "
+        "repetition: "
+        + "; ".join(
+            f"{mode}: {per_rep}" for mode, per_rep in g["steady_processed_per_rep"].items()
         ),
     ]
     return "\n".join(lines)

@@ -336,7 +336,19 @@ SUITE: dict[str, tuple[str, list[Row]]] = {
                 "better",
                 IN,
             ),
+            (
+                "persistent workers, later passes (cache off) / strict limit (bf16 cast inside)",
+                "distinct.persistent_later_over_cast_inside_limit",
+                "better",
+                EXCLUDED,
+            ),
             ("GRPO-8 2x2 loader / limit", "grpo8.over_limit", "better", IN),
+            (
+                "GRPO-8 2x2 persistent workers, later passes / limit",
+                "grpo8.steady_over_limit",
+                "better",
+                EXCLUDED,
+            ),
             (
                 "GRPO-8 2x2 loader, each image once / limit",
                 "grpo8.distinct_over_limit",
@@ -410,8 +422,12 @@ GOALS: list[Goal] = [
          "live_video.live_p50_over_floor", "<=", 1.5, EXCLUDED),
     Goal(43, "GRPO-8 2x2 loader, plain batches / limit",
          "speed.grpo8.over_limit", ">=", 6, IN),
+    Goal(43, "GRPO-8 2x2 persistent workers, plain batches / limit (steady state)",
+         "speed.grpo8.steady_over_limit", ">=", 6, EXCLUDED),
     Goal(43, "unshared loader tv / strict limit (TorchCodec decode, bf16 cast inside)",
          "speed.distinct.torchvision_over_cast_inside_limit", ">=", 0.9, IN),
+    Goal(43, "unshared, persistent workers' later passes / strict limit (steady state)",
+         "speed.distinct.persistent_later_over_cast_inside_limit", ">=", 0.9, EXCLUDED),
     # Issue 41: prefix forests (tokens, images and bytes are counts: no start-up in them).
     *(
         goal

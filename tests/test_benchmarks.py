@@ -104,6 +104,7 @@ def test_speed_benchmark_smoke():
         "persistent_first_over_limit",
         "persistent_later_over_limit",
         "persistent_cached_later_over_limit",
+        "persistent_later_over_cast_inside_limit",
     ):
         assert result["distinct"][key] > 0
     passes = result["distinct"]["persistent_passes_images_per_s"]
@@ -111,6 +112,10 @@ def test_speed_benchmark_smoke():
     assert counts == [bench_speed.PASSES] * 2
     grpo = result["grpo8"]
     assert grpo["over_limit_at_once"] > 0 and grpo["distinct_over_limit_at_once"] > 0
+    assert grpo["steady_over_limit"] > 0 and grpo["steady_distinct_over_limit"] > 0
+    # Persistent workers' later passes each processed every distinct image again.
+    for mode, reps in grpo["steady_processed_per_rep"].items():
+        assert reps == [(bench_speed.PASSES - 1) * grpo["distinct_images"]], mode
     # Every ratio also within each repetition; with one repetition, that ratio is the value.
     for section in (result["distinct"], grpo):
         paired = section["paired"]
