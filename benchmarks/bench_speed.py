@@ -38,7 +38,7 @@ baseline time over mmstore time), measured in one run, interleaved, median with 
   timed from both ranks' end of the first pass (a barrier) to the end of their last:
   start-up excluded. Their node cache is off and each worker's cache has room for one
   image (the one a batch's group shares), so every later pass processes each distinct
-  image again (checked).
+  image again (checked; a worker's last image of a pass may begin the next, one a worker).
 - ``write.plain_fsync_over_mmstore``: plain file writes with one fsync per file over mmstore
   writes of the same bytes (benchmarks/bench_write.py), time over time.
 
@@ -417,7 +417,10 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         for process in ranks:
             process.join()
         misses = sum(d["misses"] for d in done)
-        if misses != (PASSES - 1) * distinct_images:
+        # A worker's cache may still hold its last image when a pass begins with it again
+        # (one image a worker a pass at most), never a pass's worth.
+        expected = (PASSES - 1) * distinct_images
+        if not expected - (PASSES - 1) * 2 * WORKERS <= misses <= expected:
             raise RuntimeError(f"steady {mode}: {misses} images processed, expected "
                                f"{PASSES - 1} passes x {distinct_images}")  # fmt: skip
         processed[mode].append(misses)

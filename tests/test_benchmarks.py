@@ -113,9 +113,11 @@ def test_speed_benchmark_smoke():
     grpo = result["grpo8"]
     assert grpo["over_limit_at_once"] > 0 and grpo["distinct_over_limit_at_once"] > 0
     assert grpo["steady_over_limit"] > 0 and grpo["steady_distinct_over_limit"] > 0
-    # Persistent workers' later passes each processed every distinct image again.
-    for mode, reps in grpo["steady_processed_per_rep"].items():
-        assert reps == [(bench_speed.PASSES - 1) * grpo["distinct_images"]], mode
+    # Persistent workers' later passes each processed (nearly) every distinct image again:
+    # a worker's last image of a pass may begin the next.
+    later = bench_speed.PASSES - 1
+    for [processed] in grpo["steady_processed_per_rep"].values():
+        assert later * (grpo["distinct_images"] - 4) <= processed <= later * grpo["distinct_images"]
     # Every ratio also within each repetition; with one repetition, that ratio is the value.
     for section in (result["distinct"], grpo):
         paired = section["paired"]
