@@ -270,6 +270,10 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
                 "persistent_no_cache",
                 "limit_torchvision_cast_inside",
             ),
+            persistent_later_over_limit_at_once=(
+                "persistent_no_cache",
+                "limit_torchvision_at_once",
+            ),
             persistent_later_over_first=("persistent_no_cache", "persistent_no_cache_first"),
             persistent_later_over_fresh_loader=("persistent_no_cache", "mmstore_torchvision"),
             persistent_cached_later_over_limit=("persistent_cached", "limit_torchvision"),
@@ -555,6 +559,13 @@ def table(result: dict[str, Any]) -> str:
             d,
             "persistent_later_over_cast_inside_limit",
             ">= 0.9 (issue 43)",
+        ),
+        (
+            "persistent workers, later passes, cache off / that work in 2 processes at once "
+            "(no start-up)",
+            d,
+            "persistent_later_over_limit_at_once",
+            "",
         ),
         ("GRPO-8 2x2 loader / limit (start-up included)", g, "over_limit", ">= 6"),
         ("GRPO-8 2x2 loader, each image once / limit", g, "distinct_over_limit", ">= 6"),

@@ -105,6 +105,7 @@ def test_speed_benchmark_smoke():
         "persistent_later_over_limit",
         "persistent_cached_later_over_limit",
         "persistent_later_over_cast_inside_limit",
+        "persistent_later_over_limit_at_once",
     ):
         assert result["distinct"][key] > 0
     passes = result["distinct"]["persistent_passes_images_per_s"]
