@@ -205,7 +205,9 @@ def before_fork() -> None:
     """
     from av.video import frame
 
-    vars(frame._thread_local).pop("reformatter", None)  # PyAV >= 18.1.1's per-thread one
+    per_thread = getattr(frame, "_thread_local", None)  # PyAV >= 18.1.1 keeps one a thread
+    if per_thread is not None:
+        vars(per_thread).pop("reformatter", None)
     gc.collect()
 
 
