@@ -58,7 +58,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -307,7 +307,13 @@ def distinct(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
 GRPO_MODES = ("plain", "distinct", "distinct_expanded_on_cpu")
 # And the first two with persistent workers, timed over their later passes (start-up excluded).
 STEADY_MODES = ("plain", "distinct")
-STEADY_TIMEOUT = 600  # seconds: a rank that died leaves the others a clear error, not a hang
+RANKS = (0, 1)  # simulated ranks of one node, each its own process
+RANK_TIMEOUT = 600  # seconds: a rank that died leaves the others a clear error, not a hang
+
+
+def _images_in(batch: dict[str, Any]) -> int:
+    """The batch's images in model order (a distinct batch: its index says)."""
+    return len(batch.get("image_index", batch["image_grid_thw"]))
 
 
 def _rank(
@@ -318,48 +324,70 @@ def _rank(
     # them here hangs (libgomp). One thread, as in the loader's forked workers.
     torch.set_num_threads(1)
     settings = mmstore.Materialize(node_cache_dir=cache_dir, distinct_images=mode != "plain")
-    ds = mmstore.RolloutDataset(store, proc, seed=0, rank=rank, world_size=2, materialize=settings)
+    ds = mmstore.RolloutDataset(
+        store, proc, seed=0, rank=rank, world_size=len(RANKS), materialize=settings
+    )
     loader = mmstore.RolloutLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     tally = {"images": 0, "hits": 0, "misses": 0}
     for b in loader:
         if mode == "distinct_expanded_on_cpu":
             b = mmstore.expand_images(b)
-        # the batch's images in model order (a distinct batch: its index says)
-        tally["images"] += len(b.get("image_index", b["image_grid_thw"]))
+        tally["images"] += _images_in(b)
         tally["hits"] += b["node_cache_hits"]
         tally["misses"] += b["node_cache_misses"]
     results.put(tally)
 
 
 def _steady_rank(
-    store: mmstore.Store, proc: Any, rank: int, mode: str, cache_bytes: int, sync: Any
+    store: mmstore.Store,
+    proc: Any,
+    rank: int,
+    mode: str,
+    cache_bytes: int,
+    barrier: Any,
+    results: Any,
 ) -> None:
     """One simulated rank of 2 whose workers persist: ``PASSES`` passes of one loader; after
-    the first (start-up) it waits at ``sync`` (a barrier the parent times from) and puts the
-    later passes' images and images processed on ``sync.results``."""
+    the first (start-up) it waits at ``barrier`` (which the parent times from) and puts the
+    later passes' images and images processed on ``results``."""
     torch.set_num_threads(1)  # as in _rank
     settings = mmstore.Materialize(
         node_cache_bytes=0, cache_bytes=cache_bytes, distinct_images=mode != "plain"
     )
-    ds = mmstore.RolloutDataset(store, proc, seed=0, rank=rank, world_size=2, materialize=settings)
+    ds = mmstore.RolloutDataset(
+        store, proc, seed=0, rank=rank, world_size=len(RANKS), materialize=settings
+    )
     loader = mmstore.RolloutLoader(
         ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True
     )
     tally = {"images": 0, "misses": 0}
     for index in range(PASSES):
         if index == 1:
-            sync.barrier.wait(timeout=STEADY_TIMEOUT)
+            barrier.wait(timeout=RANK_TIMEOUT)
         for b in loader:
             if index:
-                tally["images"] += len(b.get("image_index", b["image_grid_thw"]))
+                tally["images"] += _images_in(b)
                 tally["misses"] += b["cache_misses"]
-    sync.results.put(tally)
+    results.put(tally)
     loader.close()
 
 
-class _Sync(NamedTuple):
-    barrier: Any
-    results: Any
+def _at_once(
+    ranks: list[Any], results: Any, barrier: Any = None
+) -> tuple[list[dict[str, int]], float]:
+    """Start the rank processes; each one's tally, and the seconds to the last of them,
+    timed from their start or, given ``barrier``, from the moment all of them reach it."""
+    start = time.perf_counter()
+    for process in ranks:
+        process.start()
+    if barrier is not None:
+        barrier.wait(timeout=RANK_TIMEOUT)
+        start = time.perf_counter()
+    done = [results.get(timeout=RANK_TIMEOUT) for _ in ranks]
+    seconds = time.perf_counter() - start
+    for process in ranks:
+        process.join()
+    return done, seconds
 
 
 def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
@@ -379,18 +407,12 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp
         cache_dir = tempfile.mkdtemp(dir=shm, prefix="mmstore-bench-")
         context = multiprocessing.get_context("fork")
-        results = context.SimpleQueue()
+        results = context.Queue()
         ranks = [
             context.Process(target=_rank, args=(store, proc, rank, cache_dir, mode, results))
-            for rank in (0, 1)
+            for rank in RANKS
         ]
-        start = time.perf_counter()
-        for process in ranks:
-            process.start()
-        done = [results.get() for _ in ranks]
-        seconds = time.perf_counter() - start
-        for process in ranks:
-            process.join()
+        done, seconds = _at_once(ranks, results)
         shutil.rmtree(cache_dir, ignore_errors=True)
         counts[mode].append({k: sum(d[k] for d in done) for k in ("hits", "misses", "images")})
         images = sum(d["images"] for d in done)
@@ -403,28 +425,24 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
     adapter = mmstore.adapter_for(proc)
     image = adapter.process([_decoded_tensor(paths[0][0])], torch.bfloat16)
     cache_bytes = int(1.5 * sum(t.numel() * t.element_size() for t in image.values()))
+    processed: dict[str, list[int]] = {mode: [] for mode in STEADY_MODES}
 
     def steady(mode: str) -> tuple[float, int]:
         """Both ranks' later passes with persistent workers (start-up excluded): samples/s."""
         context = multiprocessing.get_context("fork")
-        sync = _Sync(context.Barrier(3), context.Queue())
+        barrier, results = context.Barrier(len(RANKS) + 1), context.Queue()
         ranks = [
-            context.Process(target=_steady_rank, args=(store, proc, rank, mode, cache_bytes, sync))
-            for rank in (0, 1)
+            context.Process(
+                target=_steady_rank, args=(store, proc, rank, mode, cache_bytes, barrier, results)
+            )
+            for rank in RANKS
         ]
-        for process in ranks:
-            process.start()
-        sync.barrier.wait(timeout=STEADY_TIMEOUT)  # both ranks' first passes are done
-        start = time.perf_counter()
-        done = [sync.results.get(timeout=STEADY_TIMEOUT) for _ in ranks]
-        seconds = time.perf_counter() - start
-        for process in ranks:
-            process.join()
+        done, seconds = _at_once(ranks, results, barrier)  # from the first passes' end
         misses = sum(d["misses"] for d in done)
         # A worker's cache may still hold its last image when a pass begins with it again
         # (one image a worker a pass at most), never a pass's worth.
         expected = (PASSES - 1) * distinct_images
-        if not expected - (PASSES - 1) * 2 * WORKERS <= misses <= expected:
+        if not expected - (PASSES - 1) * len(RANKS) * WORKERS <= misses <= expected:
             raise RuntimeError(f"steady {mode}: {misses} images processed, expected "
                                f"{PASSES - 1} passes x {distinct_images}")  # fmt: skip
         processed[mode].append(misses)
@@ -436,7 +454,6 @@ def grpo8(tmp: str, samples: int, small: bool, reps: int) -> dict[str, Any]:
         "limit_at_once": lambda: _limit_at_once(paths, proc),
     }
     runs.update({mode: functools.partial(ours, mode) for mode in GRPO_MODES})
-    processed: dict[str, list[int]] = {mode: [] for mode in STEADY_MODES}
     runs.update({f"{mode}_steady": functools.partial(steady, mode) for mode in STEADY_MODES})
     figures = interleaved(cpu.timing(runs), reps)
     return {
